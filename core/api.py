@@ -1,0 +1,186 @@
+"""Framework-neutral public functions: init, shutdown, topology, build queries.
+
+These delegate to the one current :class:`~hvdlike.core.runtime.Runtime`.
+Every front end re-exports them, so ``hvdlike.rank()`` and
+``hvdlike.torch.rank()`` are the same function.
+"""
+
+from __future__ import annotations
+
+import atexit
+import threading
+from typing import Optional, Sequence
+
+from . import process_sets as ps
+from .errors import HvdlikeError, NotInitializedError
+from .runtime import Runtime
+
+_lock = threading.RLock()
+_runtime: Optional[Runtime] = None
+_atexit_registered = False
+
+
+def runtime() -> Runtime:
+    """The live runtime; raises :class:`NotInitializedError` before ``init()``."""
+    current = _runtime
+    if current is None:
+        raise NotInitializedError(
+            "hvdlike has not been initialized; call hvdlike.init() (or hvd.init()) first")
+    return current
+
+
+def init(comm=None, process_sets: Optional[Sequence[ps.ProcessSet]] = None, **settings) -> None:
+    """Start hvdlike in this process.
+
+    Reads the rank layout from whatever launched the process (``hvdlike-run``,
+    ``torchrun``, ``mpirun``, ``srun``; nothing means a job of size 1),
+    connects to the other ranks and starts the background coordinator.
+    Calling it again while initialized does nothing; after ``shutdown()`` it
+    starts a fresh runtime.
+
+    Args:
+        comm: accepted for Horovod compatibility; a list of ranks is not
+            supported (use process sets), anything else is ignored.
+        process_sets: extra :class:`ProcessSet` objects to register, the same
+            list in the same order on every rank.
+        **settings: knob overrides by config field name (e.g.
+            ``fusion_threshold=0``); they win over the environment.
+
+    Raises:
+        ConfigError: a knob has a bad value.
+        HvdlikeInternalError: the other ranks could not be reached.
+
+    Example:
+        >>> import hvdlike
+        >>> hvdlike.init()
+        >>> hvdlike.rank(), hvdlike.size()
+        (0, 1)
+    """
+    global _runtime, _atexit_registered
+    if isinstance(comm, (list, tuple)):
+        raise HvdlikeError("init(comm=[ranks]) is not supported; use process sets instead")
+    with _lock:
+        if _runtime is not None and _runtime.alive_error() is None:
+            return
+        if _runtime is not None:
+            _runtime.shutdown()
+        _runtime = Runtime.start(**settings)
+        try:
+            for index, pset in enumerate(process_sets or (), start=1):
+                if not isinstance(pset, ps.ProcessSet):
+                    raise TypeError(f"process_sets[{index - 1}] must be a ProcessSet, "
+                                    f"got {type(pset).__name__}")
+                _runtime.register_process_set(pset)
+        except BaseException:
+            _runtime.shutdown()
+            _runtime = None
+            raise
+        if not _atexit_registered:
+            atexit.register(shutdown)
+            _atexit_registered = True
+
+
+def shutdown() -> None:
+    """Stop hvdlike on this rank (and, through negotiation, on every rank)."""
+    global _runtime
+    with _lock:
+        current, _runtime = _runtime, None
+    if current is not None:
+        current.shutdown()
+
+
+def is_initialized() -> bool:
+    return _runtime is not None and _runtime.alive_error() is None
+
+
+def rank() -> int:
+    return runtime().topology.rank
+
+
+def size() -> int:
+    return runtime().topology.size
+
+
+def local_rank() -> int:
+    return runtime().topology.local_rank
+
+
+def local_size() -> int:
+    return runtime().topology.local_size
+
+
+def cross_rank() -> int:
+    return runtime().topology.cross_rank
+
+
+def cross_size() -> int:
+    return runtime().topology.cross_size
+
+
+def is_homogeneous() -> bool:
+    """True when every host runs the same number of ranks."""
+    topo = runtime().topology
+    return topo.local_size * topo.cross_size == topo.size
+
+
+# -- build and feature queries (truthful for this installation) -----------------
+
+
+def gloo_built() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_gloo_available()
+
+
+def gloo_enabled() -> bool:
+    """Gloo carries the control plane and CPU tensors whenever it is built."""
+    return gloo_built()
+
+
+def nccl_built() -> bool:
+    import torch
+    import torch.distributed as dist
+
+    return bool(dist.is_available() and dist.is_nccl_available() and torch.version.cuda)
+
+
+def cuda_built() -> bool:
+    import torch
+
+    return torch.version.cuda is not None
+
+
+def rocm_built() -> bool:
+    import torch
+
+    return getattr(torch.version, "hip", None) is not None
+
+
+def mpi_built() -> bool:
+    """True when mpi4py is importable (MPI launch and bootstrap are possible)."""
+    import importlib.util
+
+    return importlib.util.find_spec("mpi4py") is not None
+
+
+def mpi_enabled() -> bool:
+    """True when this job was started by an MPI launcher."""
+    current = _runtime
+    return current is not None and current.rendezvous.launcher in ("mpirun", "mpi")
+
+
+def mpi_threads_supported() -> bool:
+    if not mpi_enabled():
+        return False
+    from mpi4py import MPI
+
+    return MPI.Query_thread() == MPI.THREAD_MULTIPLE
+
+
+def ddl_built() -> bool:
+    return False
+
+
+def ccl_built() -> bool:
+    return False
+

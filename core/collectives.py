@@ -1,0 +1,177 @@
+"""Framework-neutral collectives on torch tensors: validate, build entries, submit.
+
+Every front end (torch, numpy, jax, keras) ends up here with torch tensors
+(numpy and jax arrays are wrapped without copying where the layout allows).
+Checks that need no other rank -- argument types, dtypes, root ranges, split
+sums -- happen here, in the caller's thread, so misuse raises at the call
+site; checks across ranks happen in the coordinator.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List, Optional, Sequence
+
+import torch
+
+from .errors import HvdlikeError
+from .handles import Handle
+from .messages import OpType, ReduceOp, Request
+from .tensor_queue import Entry
+
+REDUCIBLE = {
+    torch.float16, torch.bfloat16, torch.float32, torch.float64,
+    torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool,
+}
+MOVABLE = REDUCIBLE | {torch.complex64, torch.complex128}
+_REDUCESCATTER_OPS = (ReduceOp.SUM, ReduceOp.AVERAGE)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def check_tensor(tensor: Any, what: str, allowed=MOVABLE) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{what} expects a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.is_sparse:
+        raise TypeError(f"{what} expects a dense tensor, got a sparse one "
+                        "(use sparse_allreduce_async or sparse_as_dense)")
+    if tensor.dtype not in allowed:
+        names = ", ".join(sorted(dtype_name(d) for d in allowed))
+        raise TypeError(f"{what} does not support dtype {dtype_name(tensor.dtype)}; "
+                        f"supported: {names}")
+    return tensor
+
+
+def check_op(op: Any, what: str, allowed: Sequence[ReduceOp] = tuple(ReduceOp)) -> ReduceOp:
+    try:
+        reduce_op = ReduceOp(op)
+    except ValueError:
+        raise ValueError(f"{what}: unknown reduction op {op!r}") from None
+    if reduce_op not in allowed:
+        raise ValueError(f"{what} does not support op {reduce_op.name.title()}; "
+                         f"use one of {', '.join(o.name.title() for o in allowed)}")
+    return reduce_op
+
+
+def check_root(root_rank: Any, size: int, what: str) -> int:
+    if isinstance(root_rank, bool) or not isinstance(root_rank, int):
+        raise TypeError(f"{what}: root_rank must be an int, got {type(root_rank).__name__}")
+    if not 0 <= root_rank < size:
+        raise ValueError(f"{what}: root_rank {root_rank} is out of range for {size} rank(s)")
+    return root_rank
+
+
+def _request(op: OpType, tensor: torch.Tensor, name: str, **fields) -> Request:
+    return Request(name=name, op=op, dtype=dtype_name(tensor.dtype), shape=tuple(tensor.shape),
+                   device=tensor.device.type, **fields)
+
+
+def _copy_back(target: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    def finish(result: torch.Tensor) -> torch.Tensor:
+        target.copy_(result)
+        return target
+    return finish
+
+
+def allreduce_entry(tensor, name: str, op=ReduceOp.AVERAGE, prescale_factor=1.0,
+                    postscale_factor=1.0, inplace=False, group="", group_size=0) -> Entry:
+    tensor = check_tensor(tensor, "allreduce", REDUCIBLE)
+    reduce_op = check_op(op, "allreduce")
+    if reduce_op == ReduceOp.ADASUM:
+        raise HvdlikeError("allreduce: op Adasum is handled by the front end, not the core")
+    finish = None
+    if inplace and tensor.is_contiguous():
+        output = tensor
+    else:
+        output = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+        if inplace:
+            finish = _copy_back(tensor)
+    request = _request(OpType.ALLREDUCE, tensor, name, reduce_op=reduce_op,
+                       prescale=float(prescale_factor), postscale=float(postscale_factor),
+                       group=group, group_size=group_size)
+    return Entry(request, tensor, output, Handle(name), finish)
+
+
+def allgather_entry(tensor, name: str, group="", group_size=0) -> Entry:
+    tensor = check_tensor(tensor, "allgather")
+    if tensor.dim() == 0:
+        tensor = tensor.reshape(1)
+    request = _request(OpType.ALLGATHER, tensor, name, group=group, group_size=group_size)
+    return Entry(request, tensor, None, Handle(name))
+
+
+def broadcast_entry(tensor, root_rank: int, size: int, name: str, inplace=False) -> Entry:
+    tensor = check_tensor(tensor, "broadcast")
+    root = check_root(root_rank, size, "broadcast")
+    finish = None
+    if inplace and tensor.is_contiguous():
+        output = tensor
+    else:
+        output = tensor.clone(memory_format=torch.contiguous_format)
+        if inplace:
+            finish = _copy_back(tensor)
+    request = _request(OpType.BROADCAST, tensor, name, root=root)
+    return Entry(request, tensor, output, Handle(name), finish)
+
+
+def alltoall_entry(tensor, splits, size: int, name: str) -> Entry:
+    tensor = check_tensor(tensor, "alltoall")
+    if tensor.dim() == 0:
+        raise ValueError("alltoall needs a tensor with at least one dimension")
+    first = tensor.shape[0]
+    if splits is None:
+        if first % size:
+            raise ValueError(f"alltoall: first dimension {first} does not divide evenly "
+                             f"across {size} ranks; pass splits")
+        split_list = [first // size] * size
+    else:
+        if isinstance(splits, torch.Tensor):
+            split_list = [int(s) for s in splits.reshape(-1).tolist()]
+        else:
+            split_list = [int(s) for s in splits]
+        if len(split_list) != size:
+            raise ValueError(f"alltoall: splits has {len(split_list)} entries, expected one "
+                             f"per rank ({size})")
+        if any(s < 0 for s in split_list):
+            raise ValueError(f"alltoall: splits must be non-negative, got {split_list}")
+        if sum(split_list) != first:
+            raise ValueError(f"alltoall: splits {split_list} add up to {sum(split_list)}, "
+                             f"but the tensor's first dimension is {first}")
+    request = _request(OpType.ALLTOALL, tensor, name, splits=tuple(split_list))
+    return Entry(request, tensor, None, Handle(name))
+
+
+def reducescatter_entry(tensor, name: str, op=ReduceOp.AVERAGE, prescale_factor=1.0,
+                        postscale_factor=1.0, group="", group_size=0) -> Entry:
+    tensor = check_tensor(tensor, "reducescatter", REDUCIBLE)
+    if tensor.dim() == 0:
+        raise ValueError("reducescatter needs a tensor with at least one dimension")
+    reduce_op = check_op(op, "reducescatter", _REDUCESCATTER_OPS)
+    request = _request(OpType.REDUCESCATTER, tensor, name, reduce_op=reduce_op,
+                       prescale=float(prescale_factor), postscale=float(postscale_factor),
+                       group=group, group_size=group_size)
+    return Entry(request, tensor, None, Handle(name))
+
+
+def barrier_entry(name: str) -> Entry:
+    request = Request(name=name, op=OpType.BARRIER, dtype="uint8", shape=())
+    return Entry(request, None, None, Handle(name))
+
+
+def join_entry(name: str = "join", device: str = "cpu") -> Entry:
+    request = Request(name=name, op=OpType.JOIN, dtype="uint8", shape=(), device=device)
+    return Entry(request, None, None, Handle(name))
+
+
+def grouped(make: Callable[..., Entry], tensors: Sequence[Any], name: str, what: str,
+            **kwargs) -> List[Entry]:
+    """Entries for a grouped collective: negotiated and executed as one unit."""
+    if not isinstance(tensors, (list, tuple)):
+        raise TypeError(f"{what} expects a list of tensors, got {type(tensors).__name__}")
+    if not tensors:
+        raise ValueError(f"{what} needs at least one tensor")
+    n = len(tensors)
+    return [make(t, f"{name}.{i}", group=name, group_size=n, **kwargs)
+            for i, t in enumerate(tensors)]
+

@@ -1,0 +1,227 @@
+"""Every tuning knob of hvdlike, parsed in exactly one place.
+
+Each knob is an environment variable ``HVDLIKE_<NAME>``; the Horovod spelling
+``HOROVOD_<NAME>`` is honoured as a fallback so existing job scripts keep
+working. :func:`load` turns an environment mapping into a frozen :class:`Config`;
+a bad value raises :class:`ConfigError` naming the variable, the value and what
+was expected. The launcher maps its command-line flags onto the same variables
+through :data:`KNOBS` (see ``Knob.flag``), so a setting is declared once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Callable, Mapping, Optional
+
+from .errors import ConfigError
+
+PREFIX = "HVDLIKE_"
+FALLBACK_PREFIX = "HOROVOD_"
+
+LOG_LEVELS = {
+    "trace": 5,
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+    "fatal": logging.CRITICAL,
+}
+
+
+def _parse_bool(text: str) -> bool:
+    low = text.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError("a boolean (1/0, true/false, yes/no, on/off)")
+
+
+def _non_negative(kind: Callable[[str], Any], what: str) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text.strip())
+        except ValueError:
+            raise ValueError(what) from None
+        if value < 0:
+            raise ValueError(what)
+        return value
+
+    return parse
+
+
+def _positive(kind: Callable[[str], Any], what: str) -> Callable[[str], Any]:
+    inner = _non_negative(kind, what)
+
+    def parse(text: str) -> Any:
+        value = inner(text)
+        if value == 0:
+            raise ValueError(what)
+        return value
+
+    return parse
+
+
+def _log_level(text: str) -> str:
+    low = text.strip().lower()
+    if low not in LOG_LEVELS:
+        raise ValueError("one of " + ", ".join(LOG_LEVELS))
+    return low
+
+
+def _string(text: str) -> str:
+    return text
+
+
+@dataclasses.dataclass(frozen=True)
+class Knob:
+    """One tuning knob.
+
+    Attributes:
+        field: attribute name on :class:`Config`; the variable is ``HVDLIKE_`` + upper-case.
+        default: value used when the variable is unset.
+        parse: turns the variable's text into a value; raises ``ValueError(expected)``.
+        help: one line for documentation and launcher ``--help``.
+        flag: launcher flag that sets this knob (``None``: no flag).
+        flag_scale: the flag's value is multiplied by this before it becomes the
+            variable (``--fusion-threshold-mb 64`` -> ``HVDLIKE_FUSION_THRESHOLD=67108864``).
+        env_name: variable suffix when it differs from ``field.upper()``.
+    """
+
+    field: str
+    default: Any
+    parse: Callable[[str], Any]
+    help: str
+    flag: Optional[str] = None
+    flag_scale: Optional[float] = None
+    env_name: Optional[str] = None
+
+    @property
+    def env(self) -> str:
+        return PREFIX + (self.env_name or self.field.upper())
+
+    @property
+    def fallback_env(self) -> str:
+        return FALLBACK_PREFIX + (self.env_name or self.field.upper())
+
+
+MIB = 1024 * 1024
+
+KNOBS = (
+    Knob("fusion_threshold", 128 * MIB, _non_negative(int, "a byte count >= 0 (0 disables fusion)"),
+         "fusion buffer size in bytes; 0 disables tensor fusion",
+         flag="--fusion-threshold-mb", flag_scale=MIB),
+    Knob("cycle_time", 1.0, _non_negative(float, "milliseconds >= 0 (float)"),
+         "milliseconds between background negotiation cycles",
+         flag="--cycle-time-ms"),
+    Knob("cache_capacity", 1024, _non_negative(int, "an integer >= 0 (0 disables the response cache)"),
+         "number of negotiated collectives remembered by the response cache",
+         flag="--cache-capacity"),
+    Knob("log_level", "warning", _log_level,
+         "runtime log level: trace, debug, info, warning, error, fatal",
+         flag="--log-level"),
+    Knob("timeline", "", _string,
+         "write a Chrome-trace timeline of every collective to this file",
+         flag="--timeline-filename", env_name="TIMELINE"),
+    Knob("timeline_mark_cycles", False, _parse_bool,
+         "mark background cycles in the timeline",
+         flag="--timeline-mark-cycles"),
+    Knob("autotune", False, _parse_bool,
+         "tune fusion threshold and cycle time while training",
+         flag="--autotune"),
+    Knob("autotune_log", "", _string,
+         "CSV file the autotuner writes its samples to",
+         flag="--autotune-log-file"),
+    Knob("stall_check_disable", False, _parse_bool,
+         "disable the stall inspector",
+         flag="--no-stall-check"),
+    Knob("stall_check_time_seconds", 60.0, _positive(float, "seconds > 0"),
+         "warn when some ranks wait this long for others to submit a tensor",
+         flag="--stall-check-warning-time-seconds"),
+    Knob("stall_shutdown_time_seconds", 0.0, _non_negative(float, "seconds >= 0 (0 = never)"),
+         "raise on every rank after a stall this long (0 = never)",
+         flag="--stall-check-shutdown-time-seconds"),
+    Knob("gloo_timeout_seconds", 30.0, _positive(float, "seconds > 0"),
+         "timeout of every data-plane collective and of dead-peer detection",
+         flag="--gloo-timeout-seconds"),
+    Knob("start_timeout", 60.0, _positive(float, "seconds > 0"),
+         "seconds init() waits for every rank to reach the rendezvous",
+         flag="--start-timeout"),
+    Knob("dynamic_process_sets", False, _parse_bool,
+         "allow add_process_set/remove_process_set after init()",
+         flag="--dynamic-process-sets"),
+    Knob("disable_group_fusion", False, _parse_bool,
+         "do not fuse the members of grouped collectives with other tensors",
+         flag="--disable-group-fusion"),
+)
+
+KNOBS_BY_FIELD = {knob.field: knob for knob in KNOBS}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """The settings in effect for one ``init()``; immutable once built."""
+
+    fusion_threshold: int = 128 * MIB
+    cycle_time: float = 1.0
+    cache_capacity: int = 1024
+    log_level: str = "warning"
+    timeline: str = ""
+    timeline_mark_cycles: bool = False
+    autotune: bool = False
+    autotune_log: str = ""
+    stall_check_disable: bool = False
+    stall_check_time_seconds: float = 60.0
+    stall_shutdown_time_seconds: float = 0.0
+    gloo_timeout_seconds: float = 30.0
+    start_timeout: float = 60.0
+    dynamic_process_sets: bool = False
+    disable_group_fusion: bool = False
+
+    @property
+    def log_level_number(self) -> int:
+        return LOG_LEVELS[self.log_level]
+
+    def describe(self) -> str:
+        """Multi-line ``NAME = value`` listing of every knob, for logs."""
+        return "\n".join(
+            f"  {knob.env} = {getattr(self, knob.field)!r}" for knob in KNOBS
+        )
+
+
+def lookup(environ: Mapping[str, str], knob: Knob) -> Optional[tuple]:
+    """Return ``(variable, text)`` for the variable that sets ``knob``, or None."""
+    for name in (knob.env, knob.fallback_env):
+        if name in environ:
+            return name, environ[name]
+    return None
+
+
+def load(environ: Mapping[str, str], **overrides: Any) -> Config:
+    """Build a :class:`Config` from ``environ`` (HVDLIKE_* first, then HOROVOD_*).
+
+    Args:
+        environ: the environment mapping, usually ``os.environ``.
+        **overrides: already-typed values that win over the environment.
+
+    Raises:
+        ConfigError: a variable holds a value its knob cannot accept.
+    """
+    values = {}
+    for knob in KNOBS:
+        found = lookup(environ, knob)
+        if found is None:
+            continue
+        name, text = found
+        try:
+            values[knob.field] = knob.parse(text)
+        except ValueError as exc:
+            raise ConfigError(
+                f"{name}={text!r} is not valid: expected {exc}"
+            ) from None
+    unknown = set(overrides) - set(KNOBS_BY_FIELD)
+    if unknown:
+        raise ConfigError(f"unknown setting(s): {', '.join(sorted(unknown))}")
+    values.update(overrides)
+    return Config(**values)

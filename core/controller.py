@@ -1,0 +1,162 @@
+"""One negotiation cycle of one process set.
+
+Per cycle, every member rank:
+
+1. sorts newly submitted entries into cache hits (known by slot) and misses;
+2. joins one small sum-allreduce of ``[ready bits | invalid bits | flags]``
+   indexed by cache slot -- this is all the control traffic in steady state;
+3. evicts slots any rank invalidated (its request for that name changed);
+4. takes every slot all ranks marked ready, in slot order;
+5. only if some rank has uncached work: gathers the uncached requests to
+   rank 0, whose :class:`Coordinator` validates and orders them, and
+   receives the new responses by broadcast, caching them in that order.
+
+The result is the same ordered list of responses on every rank, each paired
+with the local entry it completes (None on a rank that joined and only
+stands in with neutral values).
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from typing import Dict, List, Optional, Protocol, Sequence, Tuple
+
+from .coordinator import Coordinator
+from .messages import OpType, Request, Response
+from .response_cache import Lookup, ResponseCache
+from .tensor_queue import Entry
+
+FLAG_UNCACHED = 0
+FLAG_SHUTDOWN = 1
+FLAG_JOINED = 2
+NUM_FLAGS = 3
+
+
+class ControlPlane(Protocol):
+    """The three control collectives negotiation needs (see transport.py)."""
+
+    rank: int
+    size: int
+
+    def allreduce_sum(self, values: Sequence[int]) -> List[int]: ...
+
+    def gather(self, payload: bytes) -> Optional[List[bytes]]: ...
+
+    def broadcast(self, payload: Optional[bytes]) -> bytes: ...
+
+
+class CycleResult:
+    __slots__ = ("work", "shutdown", "stalled")
+
+    def __init__(self):
+        self.work: List[Tuple[Response, Optional[Entry]]] = []
+        self.shutdown = False
+        self.stalled: List[Tuple[str, float, List[int]]] = []
+
+
+class Controller:
+    """Negotiation state of one rank in one process set."""
+
+    def __init__(self, control: ControlPlane, cache_capacity: int):
+        self.control = control
+        self.rank = control.rank
+        self.size = control.size
+        self.cache = ResponseCache(cache_capacity)
+        self.coordinator = Coordinator(self.size) if self.rank == 0 else None
+        self._cached: Dict[int, Entry] = {}  # slot -> entry waiting for all ranks
+        self._uncached: Dict[str, Entry] = {}  # name -> entry waiting for a response
+        self._to_send: List[Request] = []
+        self._joined = False
+        self.cycles = 0
+        self.slow_cycles = 0
+
+    @property
+    def idle(self) -> bool:
+        return not (self._cached or self._uncached or self._to_send)
+
+    def pending_entries(self) -> List[Entry]:
+        return list(self._cached.values()) + list(self._uncached.values())
+
+    def _miss(self, entry: Entry) -> None:
+        self._uncached[entry.request.name] = entry
+        self._to_send.append(entry.request)
+
+    def _evict(self, slot: int) -> None:
+        """Forget ``slot``; an entry of ours waiting on it is renegotiated."""
+        self.cache.evict(slot)
+        entry = self._cached.pop(slot, None)
+        if entry is not None:
+            self._miss(entry)
+
+    def cycle(self, entries: Sequence[Entry], shutdown: bool = False) -> CycleResult:
+        self.cycles += 1
+        result = CycleResult()
+        invalid = set()
+        for entry in entries:
+            req = entry.request
+            if req.op == OpType.JOIN:
+                self._joined = True
+                self._miss(entry)
+                continue
+            kind, slot = self.cache.lookup(req)
+            if kind is Lookup.HIT and slot not in self._cached:
+                self._cached[slot] = entry
+            else:
+                if kind is Lookup.CONFLICT:
+                    invalid.add(slot)
+                self._miss(entry)
+
+        n = self.cache.num_slots
+        vec = [0] * (2 * n + NUM_FLAGS)
+        for slot in self._cached:
+            vec[slot] = 1
+        for slot in invalid:
+            vec[n + slot] = 1
+        vec[2 * n + FLAG_UNCACHED] = 1 if self._to_send else 0
+        vec[2 * n + FLAG_SHUTDOWN] = 1 if shutdown else 0
+        vec[2 * n + FLAG_JOINED] = 1 if self._joined else 0
+        total = self.control.allreduce_sum(vec)
+        flags = total[2 * n:]
+        if flags[FLAG_SHUTDOWN]:
+            result.shutdown = True
+            return result
+
+        for slot in range(n):
+            if total[n + slot]:
+                self._evict(slot)
+        joined = flags[FLAG_JOINED]
+        for slot in range(n):
+            count = total[slot]
+            if count and count + joined >= self.size and not total[n + slot]:
+                response = self.cache.response(slot)
+                self.cache.touch(slot)
+                result.work.append((response, self._cached.pop(slot, None)))
+
+        if flags[FLAG_UNCACHED]:
+            self.slow_cycles += 1
+            result.work.extend(self._negotiate_uncached())
+        if self.coordinator is not None:
+            result.stalled = self.coordinator.pending()
+        return result
+
+    def _negotiate_uncached(self) -> List[Tuple[Response, Optional[Entry]]]:
+        payload = pickle.dumps(self._to_send, protocol=pickle.HIGHEST_PROTOCOL)
+        self._to_send = []
+        gathered = self.control.gather(payload)
+        blob = None
+        if self.coordinator is not None:
+            for data in gathered:
+                self.coordinator.add(pickle.loads(data))
+            blob = pickle.dumps(self.coordinator.ready(), protocol=pickle.HIGHEST_PROTOCOL)
+        responses: List[Response] = pickle.loads(self.control.broadcast(blob))
+        work = []
+        for response in responses:
+            entry = self._uncached.pop(response.name, None)
+            if response.op == OpType.JOIN:
+                self._joined = False
+            elif not response.error and not response.joined and entry is not None:
+                for slot in self.cache.put(response, entry.request):
+                    self._evict(slot)
+            work.append((response, entry))
+        return work

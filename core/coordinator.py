@@ -1,0 +1,150 @@
+"""Rank 0's side of negotiation: collect requests, validate, order, respond.
+
+Pure logic, no communication: :class:`Coordinator` is fed the requests each
+rank sent this cycle and returns the responses that became ready, in the one
+order every rank will execute them. Tested without processes.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
+
+from .messages import OpType, ReduceOp, Request, Response
+
+
+def _mismatch(name: str, what: str, requests: Sequence[Request]) -> str:
+    lines = [f"ranks disagree on {what} of collective {name!r}; each rank submitted:"]
+    for req in sorted(requests, key=lambda r: r.rank):
+        lines.append(f"  rank {req.rank}: {req.describe()}")
+    return "\n".join(lines)
+
+
+def _same(requests: Sequence[Request], key) -> bool:
+    first = key(requests[0])
+    return all(key(r) == first for r in requests[1:])
+
+
+def build_response(requests: Sequence[Request], size: int, joined: Iterable[int] = ()) -> Response:
+    """Validate the requests all ranks made for one name and build its response.
+
+    Args:
+        requests: one request per participating rank.
+        size: number of ranks in the process set.
+        joined: ranks that have joined and contribute neutral values instead.
+
+    Returns:
+        A response to execute, or one whose ``error`` explains the mismatch.
+    """
+    first = requests[0]
+    name = first.name
+    joined = tuple(sorted(joined))
+    base = dict(name=name, op=first.op, dtype=first.dtype, shape=first.shape,
+                device=first.device, group=first.group, joined=joined)
+
+    def error(what: str) -> Response:
+        return Response(error=_mismatch(name, what, requests), **base)
+
+    if not _same(requests, lambda r: r.op):
+        return error("the operation")
+    if not _same(requests, lambda r: r.dtype):
+        return error("the dtype")
+    if not _same(requests, lambda r: r.device.split(":")[0]):
+        return error("the device type")
+    op = first.op
+    if op in (OpType.ALLREDUCE, OpType.REDUCESCATTER, OpType.BROADCAST):
+        if not _same(requests, lambda r: r.shape):
+            return error("the shape")
+    if op in (OpType.ALLGATHER, OpType.ALLTOALL):
+        if not _same(requests, lambda r: r.shape[1:]):
+            return error("the shape beyond the first dimension")
+    if op in (OpType.ALLREDUCE, OpType.REDUCESCATTER):
+        if not _same(requests, lambda r: r.reduce_op):
+            return error("the reduction op")
+        if not _same(requests, lambda r: (r.prescale, r.postscale)):
+            return error("the prescale/postscale factors")
+        base.update(reduce_op=first.reduce_op, prescale=first.prescale, postscale=first.postscale)
+    if op == OpType.BROADCAST:
+        if not _same(requests, lambda r: r.root):
+            return error("the root rank")
+        base.update(root=first.root)
+    if op == OpType.ALLGATHER:
+        dims = [0] * size
+        for r in requests:
+            dims[r.rank] = r.shape[0] if r.shape else 1
+        base.update(first_dims=tuple(dims))
+    if op == OpType.ALLTOALL:
+        splits: List[Tuple[int, ...]] = [()] * size
+        for r in requests:
+            if r.splits is None or len(r.splits) != size:
+                return error(f"the splits (each rank needs {size} entries)")
+            splits[r.rank] = tuple(r.splits)
+        base.update(splits=tuple(splits))
+    if not _same(requests, lambda r: (r.group, r.group_size)):
+        return error("the group")
+    return Response(**base)
+
+
+class Coordinator:
+    """Collects requests from all ranks until every rank has submitted a name."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.joined: Set[int] = set()
+        self._last_joined = -1
+        # name -> {rank: request}; dict order is first-submission order.
+        self._table: Dict[str, Dict[int, Request]] = {}
+        self._first_seen: Dict[str, float] = {}
+        # group name -> completed responses waiting for the rest of the group.
+        self._groups: Dict[str, List[Response]] = {}
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def add(self, requests: Iterable[Request], now: Optional[float] = None) -> None:
+        now = time.monotonic() if now is None else now
+        for req in requests:
+            row = self._table.setdefault(req.name, {})
+            self._first_seen.setdefault(req.name, now)
+            row[req.rank] = req
+            if req.op == OpType.JOIN and req.rank not in self.joined:
+                self.joined.add(req.rank)
+                self._last_joined = req.rank
+
+    def ready(self) -> List[Response]:
+        """Responses for every name all (non-joined) ranks have submitted."""
+        out: List[Response] = []
+        active = [r for r in range(self.size) if r not in self.joined]
+        complete = [n for n, row in self._table.items() if all(r in row for r in active)]
+        # The join completes last, after every tensor the joined ranks stood in for.
+        complete.sort(key=lambda n: next(iter(self._table[n].values())).op == OpType.JOIN)
+        for name in complete:
+            row = self._table.pop(name)
+            self._first_seen.pop(name, None)
+            joined = [r for r in self.joined if r not in row]
+            resp = build_response(list(row.values()), self.size, joined)
+            if resp.op == OpType.JOIN:
+                # Every rank has joined: report the last one and start afresh.
+                resp = Response(name=name, op=OpType.JOIN, dtype=resp.dtype, shape=(),
+                                root=self._last_joined, error=resp.error)
+                self.joined.clear()
+            group_size = next(iter(row.values())).group_size
+            if resp.group and group_size > 1 and not resp.error:
+                members = self._groups.setdefault(resp.group, [])
+                members.append(resp)
+                if len(members) < group_size:
+                    continue
+                del self._groups[resp.group]
+                out.extend(members)
+            else:
+                out.append(resp)
+        return out
+
+    def pending(self, now: Optional[float] = None) -> List[Tuple[str, float, List[int]]]:
+        """``(name, seconds waiting, ranks missing)`` for every incomplete name."""
+        now = time.monotonic() if now is None else now
+        result = []
+        for name, row in self._table.items():
+            missing = [r for r in range(self.size) if r not in row and r not in self.joined]
+            result.append((name, now - self._first_seen[name], missing))
+        return result

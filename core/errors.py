@@ -1,0 +1,38 @@
+"""Exception types raised by hvdlike.
+
+``HvdlikeInternalError`` is what a collective raises when the job itself broke
+(a peer died, the runtime shut down underneath it). It is also exported under
+Horovod's name, ``HorovodInternalError``, so elastic code written for Horovod
+catches the right thing.
+"""
+
+
+class HvdlikeError(RuntimeError):
+    """Base class of every error hvdlike raises on purpose."""
+
+
+class ConfigError(HvdlikeError, ValueError):
+    """A setting (environment variable, flag or argument) has a bad value."""
+
+
+class NotInitializedError(HvdlikeError, ValueError):
+    """A function that needs ``hvdlike.init()`` was called without it."""
+
+
+class HvdlikeInternalError(HvdlikeError):
+    """A collective failed because of the job, not the caller: dead peer, shutdown, timeout."""
+
+
+HorovodInternalError = HvdlikeInternalError
+
+
+class MismatchError(HvdlikeError, ValueError):
+    """Ranks submitted the same tensor name with incompatible requests."""
+
+
+class DuplicateNameError(HvdlikeError, ValueError):
+    """A tensor name was submitted again while the first submission is still in flight."""
+
+
+class StallError(HvdlikeInternalError):
+    """Some ranks waited too long for others to submit a collective."""

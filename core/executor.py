@@ -1,0 +1,359 @@
+"""Execution of negotiated responses on the data plane.
+
+The background thread calls :meth:`Executor.execute` with the cycle's ordered
+responses. Fusable allreduces are packed into pooled flat buffers
+(:mod:`fusion`); every batch is launched asynchronously on the data-plane
+group for its device, and a :class:`Finisher` thread waits for completions in
+launch order, copies results out and completes handles. The background thread
+therefore never waits on tensor traffic and can negotiate the next cycle
+while data is in flight.
+
+Gloo cannot reduce every dtype torch has: reductions on int16 run in int32
+and on bool in uint8; pure data movement (broadcast, allgather, alltoall)
+reinterprets the bytes of such tensors as a dtype of the same width.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from . import fusion
+from .errors import HvdlikeInternalError, MismatchError
+from .messages import OpType, ReduceOp, Response
+from .tensor_queue import Entry
+
+Work = Tuple[Response, Optional[Entry]]
+Complete = Callable[[Entry, Any, Optional[BaseException]], None]
+
+_REDUCE = {
+    ReduceOp.SUM: dist.ReduceOp.SUM,
+    ReduceOp.AVERAGE: dist.ReduceOp.SUM,
+    ReduceOp.MIN: dist.ReduceOp.MIN,
+    ReduceOp.MAX: dist.ReduceOp.MAX,
+    ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
+}
+# For booleans, sum/average mean "any", product means "all".
+_BOOL_REDUCE = {
+    ReduceOp.SUM: dist.ReduceOp.MAX,
+    ReduceOp.AVERAGE: dist.ReduceOp.MAX,
+    ReduceOp.MIN: dist.ReduceOp.MIN,
+    ReduceOp.MAX: dist.ReduceOp.MAX,
+    ReduceOp.PRODUCT: dist.ReduceOp.MIN,
+}
+# Same-width stand-ins for moving bytes of dtypes Gloo does not handle.
+_MOVE_AS = {torch.bool: torch.uint8, torch.int16: torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+def wire_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a reduction of ``dtype`` runs in on Gloo."""
+    if dtype == torch.int16:
+        return torch.int32
+    if dtype == torch.bool:
+        return torch.uint8
+    return dtype
+
+
+def movable(tensor: torch.Tensor) -> torch.Tensor:
+    stand_in = _MOVE_AS.get(tensor.dtype)
+    return tensor if stand_in is None else tensor.view(stand_in)
+
+
+def scale(tensor: torch.Tensor, factor: float) -> None:
+    """Multiply in place; integers truncate toward zero like Horovod's scaling."""
+    if factor == 1.0:
+        return
+    if tensor.is_floating_point():
+        tensor.mul_(factor)
+    else:
+        tensor.copy_(torch.trunc(tensor.to(torch.float64) * factor))
+
+
+class Finisher:
+    """Waits for launched collectives in order and runs their completion."""
+
+    def __init__(self, on_fatal: Callable[[BaseException], None]):
+        self._queue: "queue.Queue" = queue.Queue()
+        self._on_fatal = on_fatal
+        self._thread = threading.Thread(target=self._loop, name="hvdlike-finisher", daemon=True)
+        self._thread.start()
+
+    def submit(self, work, finalize: Callable[[], None], fail: Callable[[BaseException], None]):
+        self._queue.put((work, finalize, fail))
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            work, finalize, fail = item
+            try:
+                if work is not None:
+                    work.wait()
+                finalize()
+            except BaseException as exc:  # a dead peer or timeout surfaces here
+                error = exc if isinstance(exc, HvdlikeInternalError) else HvdlikeInternalError(
+                    f"data-plane collective failed: {exc}")
+                fail(error)
+                self._on_fatal(error)
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+
+class Executor:
+    """Runs responses on the data plane of one process set."""
+
+    def __init__(self, groups, rank: int, size: int, fusion_threshold: int, complete: Complete,
+                 on_fatal: Callable[[BaseException], None]):
+        self.groups = groups
+        self.rank = rank
+        self.size = size
+        self.fusion_threshold = fusion_threshold
+        self.complete = complete
+        self.pool = fusion.BufferPool()
+        self.finisher = Finisher(on_fatal)
+        self.launched = 0
+
+    def close(self) -> None:
+        self.finisher.close()
+        self.pool.clear()
+
+    def execute(self, work: Sequence[Work]) -> None:
+        runnable = []
+        for response, entry in work:
+            if response.error:
+                if entry is not None:
+                    self.complete(entry, None, MismatchError(response.error))
+            else:
+                runnable.append((response, entry))
+        responses = [r for r, _ in runnable]
+        for batch in fusion.plan(responses, self.fusion_threshold):
+            items = [runnable[i] for i in batch]
+            try:
+                self._launch(items)
+            except BaseException as exc:
+                error = HvdlikeInternalError(f"could not start collective: {exc}")
+                for _, entry in items:
+                    if entry is not None:
+                        self.complete(entry, None, error)
+                raise error from exc
+
+    # -- helpers ---------------------------------------------------------------
+
+    def _submit(self, work, items: List[Work], finalize: Callable[[], List[Any]],
+                release: Optional[torch.Tensor] = None) -> None:
+        def done():
+            results = finalize()
+            if release is not None:
+                self.pool.give(release)
+            for (_, entry), result in zip(items, results):
+                if entry is not None:
+                    self.complete(entry, result, None)
+
+        def fail(error: BaseException):
+            for _, entry in items:
+                if entry is not None:
+                    self.complete(entry, None, error)
+
+        self.launched += 1
+        self.finisher.submit(work, done, fail)
+
+    def _group(self, response: Response):
+        return self.groups.data(response.device.split(":")[0])
+
+    def _device(self, response: Response, entry: Optional[Entry]) -> torch.device:
+        if entry is not None:
+            return entry.tensor.device
+        return torch.device(response.device)
+
+    def _launch(self, items: List[Work]) -> None:
+        op = items[0][0].op
+        if op == OpType.ALLREDUCE:
+            if len(items) == 1 and items[0][1] is not None:
+                self._allreduce_one(items)
+            else:
+                self._allreduce_fused(items)
+        elif op == OpType.ALLGATHER:
+            self._allgather(items)
+        elif op == OpType.BROADCAST:
+            self._broadcast(items)
+        elif op == OpType.ALLTOALL:
+            self._alltoall(items)
+        elif op == OpType.REDUCESCATTER:
+            self._reducescatter(items)
+        elif op == OpType.BARRIER:
+            self._submit(self._group(items[0][0]).barrier(), items, lambda: [None])
+        elif op == OpType.JOIN:
+            self._submit(None, items, lambda: [items[0][0].root])
+        else:  # pragma: no cover - the coordinator only emits known ops
+            raise HvdlikeInternalError(f"unknown operation {op!r}")
+
+    def _reduce_options(self, response: Response, dtype: torch.dtype):
+        opts = dist.AllreduceOptions()
+        table = _BOOL_REDUCE if dtype == torch.bool else _REDUCE
+        opts.reduceOp = table[response.reduce_op]
+        return opts
+
+    def _pre_factor(self, response: Response) -> float:
+        return 1.0 if response.dtype == "bool" else response.prescale
+
+    def _post_factor(self, response: Response) -> float:
+        if response.dtype == "bool":
+            return 1.0  # logical reductions: nothing to scale
+        factor = response.postscale
+        if response.reduce_op == ReduceOp.AVERAGE:
+            factor /= self.size
+        return factor
+
+    # -- allreduce -------------------------------------------------------------
+
+    def _allreduce_one(self, items: List[Work]) -> None:
+        response, entry = items[0]
+        dtype = torch_dtype(response.dtype)
+        out = entry.output
+        wire = wire_dtype(dtype)
+        if wire != dtype:
+            buf = entry.tensor.to(wire).contiguous()
+        else:
+            if out.data_ptr() != entry.tensor.data_ptr():
+                out.copy_(entry.tensor)
+            buf = out
+        scale(buf, self._pre_factor(response))
+        work = self._group(response).allreduce([buf], self._reduce_options(response, dtype))
+
+        def finalize():
+            scale(buf, self._post_factor(response))
+            if buf is not out:
+                out.copy_(buf)
+            return [out]
+
+        self._submit(work, items, finalize)
+
+    def _allreduce_fused(self, items: List[Work]) -> None:
+        response = items[0][0]
+        dtype = torch_dtype(response.dtype)
+        wire = wire_dtype(dtype)
+        device = self._device(response, next((e for _, e in items if e is not None), None))
+        sizes = [r.numel for r, _ in items]
+        total = sum(sizes)
+        whole = self.pool.take(total, wire, device)
+        flat = whole[:total]
+        offset = 0
+        for (r, entry), n in zip(items, sizes):
+            part = flat[offset:offset + n]
+            if entry is None:
+                part.zero_()
+            else:
+                part.view(entry.tensor.shape).copy_(entry.tensor)
+            offset += n
+        scale(flat, self._pre_factor(response))
+        work = self._group(response).allreduce([flat], self._reduce_options(response, dtype))
+
+        def finalize():
+            scale(flat, self._post_factor(response))
+            results = []
+            start = 0
+            for (r, entry), n in zip(items, sizes):
+                if entry is not None:
+                    entry.output.view(-1).copy_(flat[start:start + n])
+                    results.append(entry.output)
+                else:
+                    results.append(None)
+                start += n
+            return results
+
+        self._submit(work, items, finalize, release=whole)
+
+    # -- data movement -----------------------------------------------------------
+
+    def _allgather(self, items: List[Work]) -> None:
+        response, entry = items[0]
+        dims = response.first_dims
+        longest = max(dims) if dims else 0
+        rest = tuple(response.shape[1:])
+        dtype = torch_dtype(response.dtype)
+        device = self._device(response, entry)
+        local = torch.zeros((longest,) + rest, dtype=dtype, device=device)
+        if entry is not None and entry.tensor.numel():
+            local[: entry.tensor.shape[0]].copy_(entry.tensor)
+        gathered = torch.empty((longest * self.size,) + rest, dtype=dtype, device=device)
+        chunks = [movable(c) for c in gathered.chunk(self.size)] if longest else []
+        if longest:
+            work = self._group(response).allgather([chunks], [movable(local)])
+        else:
+            work = None
+
+        def finalize():
+            if all(d == longest for d in dims):
+                return [gathered]
+            parts = [gathered[r * longest: r * longest + d] for r, d in enumerate(dims)]
+            return [torch.cat(parts)]
+
+        self._submit(work, items, finalize)
+
+    def _broadcast(self, items: List[Work]) -> None:
+        response, entry = items[0]
+        if entry is None:
+            out = torch.empty(response.shape, dtype=torch_dtype(response.dtype),
+                              device=response.device)
+        else:
+            out = entry.output
+            if self.rank == response.root and out.data_ptr() != entry.tensor.data_ptr():
+                out.copy_(entry.tensor)
+        opts = dist.BroadcastOptions()
+        opts.rootRank = response.root
+        work = self._group(response).broadcast([movable(out)], opts) if out.numel() else None
+        self._submit(work, items, lambda: [out])
+
+    def _alltoall(self, items: List[Work]) -> None:
+        response, entry = items[0]
+        send = list(response.splits[self.rank])
+        recv = [response.splits[r][self.rank] for r in range(self.size)]
+        rest = tuple(response.shape[1:])
+        dtype = torch_dtype(response.dtype)
+        device = self._device(response, entry)
+        if entry is None:
+            source = torch.zeros((sum(send),) + rest, dtype=dtype, device=device)
+        else:
+            source = entry.tensor.contiguous()
+        out = torch.empty((sum(recv),) + rest, dtype=dtype, device=device)
+        if sum(send) or sum(recv):
+            work = self._group(response).alltoall_base(movable(out), movable(source), recv, send)
+        else:
+            work = None
+        received = torch.tensor(recv, dtype=torch.int32)
+        self._submit(work, items, lambda: [(out, received)])
+
+    def _reducescatter(self, items: List[Work]) -> None:
+        response, entry = items[0]
+        dtype = torch_dtype(response.dtype)
+        wire = wire_dtype(dtype)
+        device = self._device(response, entry)
+        if entry is None:
+            buf = torch.zeros(response.shape, dtype=wire, device=device)
+        else:
+            buf = entry.tensor.to(wire, copy=True).contiguous()
+        scale(buf, self._pre_factor(response))
+        first = response.shape[0] if response.shape else 1
+        base, extra = divmod(first, self.size)
+        start = self.rank * base + min(self.rank, extra)
+        count = base + (1 if self.rank < extra else 0)
+        work = (self._group(response).allreduce([buf], self._reduce_options(response, dtype))
+                if buf.numel() else None)
+
+        def finalize():
+            mine = buf[start:start + count]
+            scale(mine, self._post_factor(response))
+            return [mine.to(dtype).clone() if mine.dtype != dtype else mine.clone()]
+
+        self._submit(work, items, finalize)

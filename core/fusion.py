@@ -1,0 +1,79 @@
+"""Tensor fusion: pack many small allreduces into few large ones.
+
+:func:`plan` is pure and deterministic: given the ordered responses of a
+cycle, it returns batches -- lists of response indices -- that every rank
+computes identically. :class:`BufferPool` recycles the flat buffers fused
+batches are staged in, so steady state allocates nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+
+from .messages import Response
+
+
+def element_size(dtype: str) -> int:
+    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
+
+
+def plan(responses: Sequence[Response], threshold_bytes: int) -> List[List[int]]:
+    """Group fusable responses into batches of at most ``threshold_bytes``.
+
+    Responses fuse when their :meth:`Response.fusion_key` is equal (same op,
+    dtype, device, reduction and scaling). A batch is closed when the next
+    member would overflow it; a tensor larger than the threshold, or any
+    response when the threshold is 0, is a batch of its own. Batches are
+    ordered by their first member, so the order of execution follows the
+    order of negotiation.
+    """
+    batches: List[List[int]] = []
+    open_batch: Dict[tuple, Tuple[int, int]] = {}  # key -> (batch index, bytes so far)
+    for i, response in enumerate(responses):
+        key = response.fusion_key()
+        if key is None or threshold_bytes <= 0:
+            batches.append([i])
+            continue
+        nbytes = response.numel * element_size(response.dtype)
+        current = open_batch.get(key)
+        if current is not None and current[1] + nbytes <= threshold_bytes:
+            batches[current[0]].append(i)
+            open_batch[key] = (current[0], current[1] + nbytes)
+        else:
+            batches.append([i])
+            open_batch[key] = (len(batches) - 1, nbytes)
+    return batches
+
+
+class BufferPool:
+    """Flat staging buffers, reused by (device, dtype); grows to the largest request."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._free: Dict[tuple, List[torch.Tensor]] = {}
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A flat buffer of at least ``numel`` elements; slice it, give it back whole."""
+        key = (str(device), dtype)
+        with self._lock:
+            free = self._free.get(key, [])
+            for i, buf in enumerate(free):
+                if buf.numel() >= numel:
+                    return free.pop(i)
+            if free:
+                free.pop(0)  # too small: drop it, a larger one replaces it
+        return torch.empty(numel, dtype=dtype, device=device)
+
+    def give(self, buffer: torch.Tensor) -> None:
+        """Return a buffer obtained from :meth:`take` (the whole buffer, not a view)."""
+        with self._lock:
+            free = self._free.setdefault((str(buffer.device), buffer.dtype), [])
+            if len(free) < 4:
+                free.append(buffer)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()

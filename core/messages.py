@@ -1,0 +1,110 @@
+"""What ranks tell each other while negotiating: requests and responses.
+
+A :class:`Request` is what one rank wants to do with one named tensor. The
+coordinator turns the requests of all ranks for a name into one
+:class:`Response`, which every rank executes in the same order. Both are small,
+picklable and free of tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Optional, Tuple
+
+
+class OpType(enum.IntEnum):
+    ALLREDUCE = 0
+    ALLGATHER = 1
+    BROADCAST = 2
+    ALLTOALL = 3
+    REDUCESCATTER = 4
+    BARRIER = 5
+    JOIN = 6
+
+
+class ReduceOp(enum.IntEnum):
+    """Reduction operators; values match Horovod's so integer constants carry over."""
+
+    AVERAGE = 0
+    SUM = 1
+    ADASUM = 2
+    MIN = 3
+    MAX = 4
+    PRODUCT = 5
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One rank's request for one named collective."""
+
+    name: str
+    op: OpType
+    dtype: str
+    shape: Tuple[int, ...]
+    device: str = "cpu"
+    reduce_op: ReduceOp = ReduceOp.SUM
+    root: int = -1
+    prescale: float = 1.0
+    postscale: float = 1.0
+    splits: Optional[Tuple[int, ...]] = None
+    group: str = ""
+    group_size: int = 0
+    rank: int = 0
+
+    def signature(self) -> tuple:
+        """Everything the response depends on except the submitting rank."""
+        return dataclasses.astuple(dataclasses.replace(self, rank=0))
+
+    def describe(self) -> str:
+        parts = [self.op.name.lower(), self.dtype, "x".join(map(str, self.shape)) or "scalar",
+                 self.device]
+        if self.op in (OpType.ALLREDUCE, OpType.REDUCESCATTER):
+            parts.append(self.reduce_op.name.lower())
+            if self.prescale != 1.0 or self.postscale != 1.0:
+                parts.append(f"prescale={self.prescale:g} postscale={self.postscale:g}")
+        if self.op == OpType.BROADCAST:
+            parts.append(f"root={self.root}")
+        if self.splits is not None:
+            parts.append(f"splits={list(self.splits)}")
+        return " ".join(parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class Response:
+    """What every rank executes for one name, identical on all ranks.
+
+    ``first_dims`` holds each rank's first dimension (allgather) and
+    ``splits`` each rank's split list (alltoall), so a rank can size its
+    output without asking again. ``error`` set means every rank fails the
+    handle with that message instead of executing.
+    """
+
+    name: str
+    op: OpType
+    dtype: str
+    shape: Tuple[int, ...]
+    device: str = "cpu"
+    reduce_op: ReduceOp = ReduceOp.SUM
+    root: int = -1
+    prescale: float = 1.0
+    postscale: float = 1.0
+    first_dims: Optional[Tuple[int, ...]] = None
+    splits: Optional[Tuple[Tuple[int, ...], ...]] = None
+    group: str = ""
+    error: str = ""
+    joined: Tuple[int, ...] = ()
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    def fusion_key(self) -> Optional[tuple]:
+        """Responses with equal keys may share one fusion buffer; None: never fused."""
+        if self.error or self.op != OpType.ALLREDUCE or self.reduce_op == ReduceOp.ADASUM:
+            return None
+        return (self.op, self.dtype, self.device, self.reduce_op, self.prescale,
+                self.postscale, self.joined)

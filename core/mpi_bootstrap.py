@@ -1,0 +1,220 @@
+"""Bootstrap for ranks started by ``mpirun`` (Open MPI, MPICH) or Slurm ``srun``.
+
+Those launchers tell each process its rank and size, but host no rendezvous
+store. Rank 0 hosts one (``Rendezvous.host_store``) on a free port; every rank
+learns its address and a fresh job secret through ``mpi4py`` (imported only when
+such a job is detected). Under ``srun`` without MPI, the first node of the step
+hosts the store on a port derived from the job and step ids (or
+``MASTER_ADDR``/``MASTER_PORT`` when set).
+
+``detect`` returns None when the environment shows neither launcher; the
+``HVDLIKE_*`` variables of ``hvdlike-run`` are checked before this module runs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import secrets
+import socket
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+from .bootstrap import ENV_GLOO_IFACE, Rendezvous, Topology, local_address_towards
+from .errors import ConfigError
+
+
+def topologies(host_of_rank: Sequence[str]) -> List[Topology]:
+    """Horovod's topology of every rank, given the host each rank runs on.
+
+    ``local_rank`` is the index of a rank among the ranks of its host;
+    ``cross_rank`` is the index of its host among the hosts that have a rank with
+    the same ``local_rank`` (hosts ordered by first appearance), and
+    ``cross_size`` the number of such hosts.
+
+    Args:
+        host_of_rank: host name of rank 0, 1, ... in rank order.
+
+    Returns:
+        One :class:`Topology` per rank, in rank order.
+
+    Example:
+        >>> [t.cross_rank for t in topologies(["a", "a", "b"])]
+        [0, 0, 1]
+    """
+    ranks_on: Dict[str, List[int]] = {}
+    for rank, host in enumerate(host_of_rank):
+        ranks_on.setdefault(host, []).append(rank)
+    hosts = list(ranks_on)
+    result = []
+    for rank, host in enumerate(host_of_rank):
+        local_rank = ranks_on[host].index(rank)
+        peers = [h for h in hosts if len(ranks_on[h]) > local_rank]
+        result.append(
+            Topology(
+                rank=rank,
+                size=len(host_of_rank),
+                local_rank=local_rank,
+                local_size=len(ranks_on[host]),
+                cross_rank=peers.index(host),
+                cross_size=len(peers),
+                hostname=host,
+            )
+        )
+    return result
+
+
+# (name, rank variable, size variable) of each MPI, in detection order. Local and
+# cross ranks are computed from host names so every flavour agrees with Horovod.
+_MPI_FLAVOURS = (
+    ("mpirun (Open MPI)", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+    ("mpirun (MPICH)", "PMI_RANK", "PMI_SIZE"),
+)
+
+
+def _int(environ: Mapping[str, str], name: str) -> int:
+    text = environ.get(name, "")
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"{name}={text!r} is not valid: expected an integer") from None
+
+
+def _free_port(addr: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET) as probe:
+        probe.bind((addr, 0))
+        return probe.getsockname()[1]
+
+
+def _my_addresses() -> List[str]:
+    import psutil
+
+    found = []
+    for addrs in psutil.net_if_addrs().values():
+        for entry in addrs:
+            if entry.family == socket.AF_INET and not entry.address.startswith("127."):
+                found.append(entry.address)
+    return found
+
+
+def choose_store_address(my_host: str, peers: Sequence[Tuple[str, List[str]]]) -> str:
+    """The address rank 0 should host the store on.
+
+    Args:
+        my_host: rank 0's host name.
+        peers: ``(host name, its IPv4 addresses)`` of every rank.
+
+    Returns:
+        ``127.0.0.1`` when every rank shares rank 0's host, otherwise the local
+        address that routes to the first other host.
+    """
+    for host, addrs in peers:
+        if host == my_host:
+            continue
+        for addr in addrs:
+            local = local_address_towards(addr, 9)
+            if local and not local.startswith("127."):
+                return local
+    return "127.0.0.1"
+
+
+def _from_mpi(environ: Mapping[str, str], name: str, rank_var: str, size_var: str):
+    rank, size = _int(environ, rank_var), _int(environ, size_var)
+    gloo_iface = environ.get(ENV_GLOO_IFACE, "")
+    if size == 1:
+        return Topology(hostname=socket.gethostname()), Rendezvous(
+            launcher=name, gloo_iface=gloo_iface)
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        raise ConfigError(
+            f"this process was started by {name} with {size} ranks, which needs mpi4py "
+            "to exchange the rendezvous address: pip install 'hvdlike[mpi]'"
+        ) from None
+    comm = MPI.COMM_WORLD
+    if comm.Get_size() != size:
+        raise ConfigError(
+            f"{size_var}={size} but MPI.COMM_WORLD has {comm.Get_size()} ranks; "
+            "mpi4py is linked against a different MPI than the one that started this job"
+        )
+    me = socket.gethostname()
+    peers = comm.allgather((me, _my_addresses()))
+    topo = topologies([host for host, _ in peers])[rank]
+    offer = None
+    if rank == 0:
+        addr = choose_store_address(me, peers)
+        offer = (addr, _free_port(addr), secrets.token_hex(16))
+    addr, port, secret = comm.bcast(offer, root=0)
+    return topo, Rendezvous(launcher=name, addr=addr, port=port, secret=secret,
+                            host_store=rank == 0, gloo_iface=gloo_iface)
+
+
+def expand_nodelist(text: str) -> List[str]:
+    """Expand a Slurm node list such as ``node[01-03,7],gpu5`` into host names."""
+    hosts: List[str] = []
+    for match in re.finditer(r"([^,\[]+)(?:\[([^\]]*)\])?([^,\[]*)", text):
+        prefix, ranges, suffix = match.group(1), match.group(2), match.group(3)
+        if ranges is None:
+            hosts.append(prefix + suffix)
+            continue
+        for part in ranges.split(","):
+            low, _, high = part.partition("-")
+            high = high or low
+            for number in range(int(low), int(high) + 1):
+                hosts.append(f"{prefix}{number:0{len(low)}d}{suffix}")
+    return hosts
+
+
+def _from_slurm(environ: Mapping[str, str]):
+    rank = _int(environ, "SLURM_PROCID")
+    size = _int(environ, "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in environ
+                else "SLURM_NTASKS")
+    local_rank = _int(environ, "SLURM_LOCALID")
+    node_id = _int(environ, "SLURM_NODEID") if "SLURM_NODEID" in environ else 0
+    nodes = expand_nodelist(environ.get("SLURM_STEP_NODELIST",
+                                        environ.get("SLURM_JOB_NODELIST", "")))
+    tasks_per_node = _tasks_per_node(environ.get("SLURM_STEP_TASKS_PER_NODE",
+                                                 environ.get("SLURM_TASKS_PER_NODE", "")))
+    local_size = tasks_per_node[node_id] if node_id < len(tasks_per_node) else 1
+    cross = [n for n, count in enumerate(tasks_per_node) if count > local_rank] or [0]
+    topo = Topology(rank=rank, size=size, local_rank=local_rank, local_size=local_size,
+                    cross_rank=cross.index(node_id) if node_id in cross else 0,
+                    cross_size=len(cross), hostname=socket.gethostname())
+    job = environ.get("SLURM_JOB_ID", "0")
+    step = environ.get("SLURM_STEP_ID", "0")
+    addr = environ.get("MASTER_ADDR") or (nodes[0] if nodes else "127.0.0.1")
+    if "MASTER_PORT" in environ:
+        port = _int(environ, "MASTER_PORT")
+    else:
+        port = 20000 + (int(job) * 131 + int(step)) % 20000 if job.isdigit() and step.isdigit() \
+            else 29500
+    return topo, Rendezvous(launcher="srun", addr=addr, port=port,
+                            secret=f"slurm-{job}-{step}", host_store=rank == 0,
+                            gloo_iface=environ.get(ENV_GLOO_IFACE, ""))
+
+
+def _tasks_per_node(text: str) -> List[int]:
+    """Expand ``2(x3),1`` into ``[2, 2, 2, 1]``."""
+    counts: List[int] = []
+    for part in filter(None, text.split(",")):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if not match:
+            raise ConfigError(f"SLURM_TASKS_PER_NODE={text!r} is not valid")
+        counts.extend([int(match.group(1))] * int(match.group(2) or 1))
+    return counts
+
+
+def detect(environ: Mapping[str, str]) -> Optional[tuple]:
+    """Return ``(Topology, Rendezvous)`` for a rank of mpirun or srun, else None.
+
+    Raises:
+        ConfigError: the job needs mpi4py and it is missing, or a variable is malformed.
+    """
+    in_srun = "SLURM_PROCID" in environ and "SLURM_STEP_ID" in environ
+    for name, rank_var, size_var in _MPI_FLAVOURS:
+        if rank_var in environ and size_var in environ:
+            if in_srun and importlib.util.find_spec("mpi4py") is None:
+                break  # srun's PMI variables without MPI: bootstrap from Slurm's own
+            return _from_mpi(environ, name, rank_var, size_var)
+    if in_srun:
+        return _from_slurm(environ)
+    return None

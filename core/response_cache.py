@@ -1,0 +1,97 @@
+"""The response cache: steady state skips the request gather entirely.
+
+Every rank holds an identical cache because every rank applies the same
+operations (put, touch, evict) in the same order: the order of the responses
+it executes. A cached name is therefore known by its *slot* number on all
+ranks, and negotiation of cached names reduces to summing a vector of ready
+bits indexed by slot.
+
+Each rank also remembers the signature of its *own* request for a slot: the
+same name submitted with a different shape or dtype is a conflict, which
+invalidates the slot on all ranks so the name is negotiated afresh.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import heapq
+from typing import Dict, List, Optional, Tuple
+
+from .messages import Request, Response
+
+
+class Lookup(enum.Enum):
+    MISS = 0
+    HIT = 1
+    CONFLICT = 2
+
+
+class ResponseCache:
+    """LRU map name -> (slot, response, own request signature)."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._lru: "collections.OrderedDict[str, int]" = collections.OrderedDict()
+        self._slots: List[Optional[Tuple[Response, tuple]]] = []
+        self._free: List[int] = []
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    @property
+    def num_slots(self) -> int:
+        """Length of the ready-bit vector: highest slot ever used + 1."""
+        return len(self._slots)
+
+    def lookup(self, request: Request) -> Tuple[Lookup, int]:
+        slot = self._lru.get(request.name)
+        if slot is None:
+            return Lookup.MISS, -1
+        _, signature = self._slots[slot]
+        if signature != request.signature():
+            return Lookup.CONFLICT, slot
+        return Lookup.HIT, slot
+
+    def response(self, slot: int) -> Response:
+        return self._slots[slot][0]
+
+    def name_of(self, slot: int) -> Optional[str]:
+        entry = self._slots[slot] if slot < len(self._slots) else None
+        return None if entry is None else entry[0].name
+
+    def touch(self, slot: int) -> None:
+        self._lru.move_to_end(self._slots[slot][0].name)
+
+    def put(self, response: Response, own: Request) -> List[int]:
+        """Cache ``response``; return the slots evicted to make room."""
+        if self.capacity <= 0:
+            return []
+        evicted = []
+        old = self._lru.get(response.name)
+        if old is not None:
+            self.evict(old)
+            evicted.append(old)
+        while len(self._lru) >= self.capacity:
+            oldest = next(iter(self._lru.values()))
+            self.evict(oldest)
+            evicted.append(oldest)
+        if self._free:
+            slot = heapq.heappop(self._free)
+        else:
+            slot = len(self._slots)
+            self._slots.append(None)
+        self._slots[slot] = (response, own.signature())
+        self._lru[response.name] = slot
+        return evicted
+
+    def evict(self, slot: int) -> None:
+        entry = self._slots[slot]
+        if entry is None:
+            return
+        del self._lru[entry[0].name]
+        self._slots[slot] = None
+        heapq.heappush(self._free, slot)
+
+    def snapshot(self) -> Dict[str, int]:
+        return dict(self._lru)

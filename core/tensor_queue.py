@@ -1,0 +1,73 @@
+"""The queue between user threads and the background coordinator thread."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any, Callable, List, Optional
+
+from .errors import DuplicateNameError
+from .handles import Handle
+from .messages import Request
+
+
+@dataclasses.dataclass
+class Entry:
+    """A submitted collective: its request plus the local tensors it works on.
+
+    Attributes:
+        request: what was asked for (sent to the coordinator).
+        tensor: input tensor (torch, contiguous).
+        output: tensor the result is written to (may be ``tensor`` for in-place
+            ops), or None when the executor allocates it.
+        handle: completed when the collective finishes.
+        finish: optional hook turning the raw result into what the handle holds.
+        enqueued_at: monotonic time of submission (stall inspector, timeline).
+    """
+
+    request: Request
+    tensor: Any
+    output: Any
+    handle: Handle
+    finish: Optional[Callable[[Any], Any]] = None
+    enqueued_at: float = 0.0
+    set_id: int = 0
+
+
+class TensorQueue:
+    """Thread-safe FIFO of entries, refusing a name already in flight."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._pending: List[Entry] = []
+        self._inflight = set()
+        self.wakeup = threading.Event()
+
+    def put(self, entries: List[Entry]) -> None:
+        """Add entries atomically (a group is drained in one piece)."""
+        with self._lock:
+            names = [e.request.name for e in entries]
+            dup = [n for n in names if n in self._inflight]
+            if dup or len(set(names)) != len(names):
+                dup = dup or [n for n in names if names.count(n) > 1]
+                raise DuplicateNameError(
+                    f"a collective named {dup[0]!r} is already in flight; wait for it "
+                    f"(synchronize its handle) before submitting the name again"
+                )
+            self._inflight.update(names)
+            self._pending.extend(entries)
+        self.wakeup.set()
+
+    def drain(self) -> List[Entry]:
+        with self._lock:
+            entries, self._pending = self._pending, []
+            self.wakeup.clear()
+        return entries
+
+    def release(self, name: str) -> None:
+        with self._lock:
+            self._inflight.discard(name)
+
+    def inflight(self) -> int:
+        with self._lock:
+            return len(self._inflight)

@@ -1,0 +1,143 @@
+"""Private torch.distributed process groups: the control and data planes.
+
+Each process set owns two private groups created straight from the store,
+never through ``init_process_group``, so the user's default group is never
+touched:
+
+* the *control* group (always Gloo, on CPU) carries negotiation: one small
+  allreduce per cycle, plus gather/broadcast of pickled requests on misses;
+* the *data* groups carry tensors: Gloo for CPU tensors, NCCL for CUDA
+  tensors (created lazily on first use, at the same point on every rank
+  because responses execute in the same order everywhere).
+
+The executor talks to :class:`DataPlane` only through ``group_for(device)``;
+the same executor code drives Gloo and NCCL.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from typing import Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .errors import HvdlikeInternalError
+
+
+def _gloo_group(store, rank: int, size: int, timeout: datetime.timedelta, local_addr: str):
+    """A Gloo group bound to ``local_addr`` (an IP or interface name) when given."""
+    if local_addr and hasattr(dist.ProcessGroupGloo, "_Options"):
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        if all(c.isdigit() or c in ".:" for c in local_addr):
+            device = dist.ProcessGroupGloo.create_device(hostname=local_addr)
+        else:
+            device = dist.ProcessGroupGloo.create_device(interface=local_addr)
+        opts._devices = [device]
+        return dist.ProcessGroupGloo(store, rank, size, opts)
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+
+def _nccl_group(store, rank: int, size: int, timeout: datetime.timedelta):
+    if not dist.is_nccl_available():
+        raise HvdlikeInternalError("a CUDA tensor was submitted but this torch has no NCCL")
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    return dist.ProcessGroupNCCL(store, rank, size, opts)
+
+
+class Groups:
+    """Creates and owns the process groups of one process set."""
+
+    def __init__(self, store, rank: int, size: int, timeout_seconds: float, local_addr: str = ""):
+        self.store = store
+        self.rank = rank
+        self.size = size
+        self.timeout = datetime.timedelta(seconds=timeout_seconds)
+        self.local_addr = local_addr
+        self._lock = threading.Lock()
+        self._data: Dict[str, object] = {}
+        self.control = _gloo_group(dist.PrefixStore("control/", store), rank, size,
+                                   self.timeout, local_addr)
+
+    def data(self, device_type: str):
+        """The data-plane group for tensors on ``device_type`` ('cpu' or 'cuda')."""
+        with self._lock:
+            group = self._data.get(device_type)
+            if group is None:
+                prefix = dist.PrefixStore(f"data-{device_type}/", self.store)
+                if device_type == "cuda":
+                    group = _nccl_group(prefix, self.rank, self.size, self.timeout)
+                else:
+                    group = _gloo_group(prefix, self.rank, self.size, self.timeout,
+                                        self.local_addr)
+                self._data[device_type] = group
+            return group
+
+    def close(self) -> None:
+        for group in [self.control, *self._data.values()]:
+            shutdown = getattr(group, "shutdown", None)
+            if shutdown is not None:
+                try:
+                    shutdown()
+                except Exception:  # already broken: nothing more to release
+                    pass
+        self._data.clear()
+
+
+class GlooControlPlane:
+    """Negotiation collectives over the control group (see controller.ControlPlane)."""
+
+    def __init__(self, group, rank: int, size: int):
+        self.group = group
+        self.rank = rank
+        self.size = size
+
+    def allreduce_sum(self, values: Sequence[int]) -> List[int]:
+        if self.size == 1:
+            return list(values)
+        tensor = torch.tensor(values, dtype=torch.int32)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        self.group.allreduce([tensor], opts).wait()
+        return tensor.tolist()
+
+    def _lengths(self, n: int) -> List[int]:
+        mine = torch.tensor([n], dtype=torch.int64)
+        out = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
+        self.group.allgather([out], [mine]).wait()
+        return [int(t.item()) for t in out]
+
+    def gather(self, payload: bytes) -> Optional[List[bytes]]:
+        if self.size == 1:
+            return [payload]
+        lengths = self._lengths(len(payload))
+        longest = max(lengths)
+        mine = torch.zeros(longest, dtype=torch.uint8)
+        if payload:
+            mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        opts = dist.GatherOptions()
+        opts.rootRank = 0
+        if self.rank == 0:
+            out = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.size)]
+            self.group.gather([out], [mine], opts).wait()
+            return [bytes(t[:n].numpy()) for t, n in zip(out, lengths)]
+        self.group.gather([], [mine], opts).wait()
+        return None
+
+    def broadcast(self, payload: Optional[bytes]) -> bytes:
+        if self.size == 1:
+            return payload
+        length = torch.tensor([len(payload) if self.rank == 0 else 0], dtype=torch.int64)
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self.group.broadcast([length], opts).wait()
+        if self.rank == 0:
+            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        else:
+            data = torch.empty(int(length.item()), dtype=torch.uint8)
+        if data.numel():
+            self.group.broadcast([data], opts).wait()
+        return payload if self.rank == 0 else bytes(data.numpy())

@@ -1,0 +1,30 @@
+"""hvdlike.torch: a drop-in for ``horovod.torch``.
+
+    import hvdlike.torch as hvd
+    hvd.init()
+    torch.manual_seed(0)
+    model = Net()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01 * hvd.size()),
+                                   named_parameters=model.named_parameters())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+"""
+
+from hvdlike.core.api import (
+    ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled, init,
+    is_homogeneous, is_initialized, local_rank, local_size, mpi_built, mpi_enabled,
+    mpi_threads_supported, nccl_built, rank, rocm_built, shutdown, size,
+)
+from hvdlike.core.errors import HorovodInternalError, HvdlikeInternalError
+from hvdlike.core.process_sets import ProcessSet, global_process_set
+
+from .compression import Compression
+from .objects import allgather_object, broadcast_object
+from .ops import (
+    Adasum, Average, Max, Min, Product, Sum, allgather, allgather_async, allreduce, allreduce_,
+    allreduce_async, allreduce_async_, alltoall, alltoall_async, barrier, broadcast, broadcast_,
+    broadcast_async, broadcast_async_, grouped_allgather, grouped_allgather_async,
+    grouped_allreduce, grouped_allreduce_, grouped_allreduce_async, grouped_allreduce_async_,
+    grouped_reducescatter, grouped_reducescatter_async, join, poll, reducescatter,
+    reducescatter_async, synchronize,
+)

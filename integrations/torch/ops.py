@@ -1,0 +1,317 @@
+"""Collectives on torch tensors, with Horovod's names and signatures.
+
+Each collective is implemented once, as an entry builder in
+:mod:`hvdlike.core.collectives`; the forms of Horovod's naming grid
+
+    allreduce  allreduce_async  allreduce_  allreduce_async_  grouped_allreduce ...
+
+are thin wrappers here: ``*_async`` submits and returns a handle, the plain
+form synchronizes it, ``_`` asks the builder to write into the input, and
+``grouped_*`` submits a list as one unit.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional
+
+from hvdlike.core import api, collectives as core
+from hvdlike.core.handles import Handle
+from hvdlike.core.messages import ReduceOp
+from hvdlike.core.process_sets import global_process_set, resolve
+
+from .compression import Compression
+
+Average = ReduceOp.AVERAGE
+Sum = ReduceOp.SUM
+Adasum = ReduceOp.ADASUM
+Min = ReduceOp.MIN
+Max = ReduceOp.MAX
+Product = ReduceOp.PRODUCT
+
+
+class GroupHandle:
+    """Handle of a grouped collective: completes when every member has."""
+
+    def __init__(self, handles: List[Handle]):
+        self.handles = handles
+
+    def __repr__(self) -> str:
+        return f"<hvdlike GroupHandle of {len(self.handles)}>"
+
+    def done(self) -> bool:
+        return all(h.done() for h in self.handles)
+
+
+def _reduce_op(average: Optional[bool], op: Any, what: str) -> ReduceOp:
+    if average is not None:
+        if op is not None:
+            raise ValueError(f"{what}: pass either op or the deprecated average, not both")
+        return Average if average else Sum
+    return Average if op is None else op
+
+
+def _submit(entries, process_set):
+    runtime = api.runtime()
+    return runtime.submit(entries, resolve(process_set))
+
+
+def _name(name: Optional[str], op: str) -> str:
+    if name is None:
+        return api.runtime().auto_name(op)
+    if not isinstance(name, str):
+        raise TypeError(f"{op}: name must be a str, got {type(name).__name__}")
+    return name
+
+
+def poll(handle) -> bool:
+    """True when the collective behind ``handle`` has completed (never blocks)."""
+    if isinstance(handle, (Handle, GroupHandle)):
+        return handle.done()
+    raise TypeError(f"poll expects a handle returned by an *_async call, got {type(handle).__name__}")
+
+
+def synchronize(handle, timeout: Optional[float] = None):
+    """Wait for ``handle`` and return its result (a tensor, tuple or list for groups).
+
+    Raises the collective's error on this rank: ``MismatchError`` when ranks
+    disagreed, ``HvdlikeInternalError`` when the job broke.
+    """
+    runtime = api.runtime()
+    if isinstance(handle, GroupHandle):
+        return [runtime.wait(h, timeout) for h in handle.handles]
+    if isinstance(handle, Handle):
+        return runtime.wait(handle, timeout)
+    raise TypeError(
+        f"synchronize expects a handle returned by an *_async call, got {type(handle).__name__}")
+
+
+# -- allreduce -----------------------------------------------------------------------
+
+
+def _allreduce_entries(tensors, name, inplace, op, prescale_factor, postscale_factor,
+                       process_set, grouped):
+    what = "grouped_allreduce" if grouped else "allreduce"
+    reduce_op = core.check_op(op, what)
+    if reduce_op == Adasum:
+        from . import adasum
+
+        return adasum.entries(tensors, name, inplace, prescale_factor, postscale_factor,
+                              process_set, grouped)
+    kwargs = dict(op=reduce_op, prescale_factor=prescale_factor,
+                  postscale_factor=postscale_factor, inplace=inplace)
+    if grouped:
+        return core.grouped(core.allreduce_entry, tensors, _name(name, what), what, **kwargs)
+    return [core.allreduce_entry(tensors, _name(name, what), **kwargs)]
+
+
+def _set_size(process_set) -> int:
+    runtime = api.runtime()
+    set_id = resolve(process_set)
+    return runtime.process_set(set_id).size
+
+
+def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
+                    postscale_factor=1.0, process_set=global_process_set) -> Handle:
+    """Start an allreduce of ``tensor``; returns a handle for :func:`synchronize`."""
+    op = _reduce_op(average, op, "allreduce_async")
+    entries = _allreduce_entries(tensor, name, False, op, prescale_factor, postscale_factor,
+                                 process_set, False)
+    return _submit(entries, process_set)[0]
+
+
+def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
+                     postscale_factor=1.0, process_set=global_process_set) -> Handle:
+    """In-place :func:`allreduce_async`: the result overwrites ``tensor``."""
+    op = _reduce_op(average, op, "allreduce_async_")
+    entries = _allreduce_entries(tensor, name, True, op, prescale_factor, postscale_factor,
+                                 process_set, False)
+    return _submit(entries, process_set)[0]
+
+
+def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
+              prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
+    """Reduce ``tensor`` across ranks (default op Average) and return the result.
+
+    Example:
+        >>> total = hvd.allreduce(torch.ones(3), op=hvd.Sum)   # == size() * ones
+    """
+    compressed, ctx = compression.compress(tensor)
+    handle = allreduce_async(compressed, average, name, op, prescale_factor, postscale_factor,
+                             process_set)
+    return compression.decompress(synchronize(handle), ctx)
+
+
+def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
+               postscale_factor=1.0, process_set=global_process_set):
+    """In-place :func:`allreduce`; returns ``tensor``."""
+    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor,
+                                        postscale_factor, process_set))
+
+
+def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                            postscale_factor=1.0, process_set=global_process_set) -> GroupHandle:
+    op = _reduce_op(average, op, "grouped_allreduce_async")
+    entries = _allreduce_entries(tensors, name, False, op, prescale_factor, postscale_factor,
+                                 process_set, True)
+    return GroupHandle(_submit(entries, process_set))
+
+
+def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                             postscale_factor=1.0, process_set=global_process_set) -> GroupHandle:
+    op = _reduce_op(average, op, "grouped_allreduce_async_")
+    entries = _allreduce_entries(tensors, name, True, op, prescale_factor, postscale_factor,
+                                 process_set, True)
+    return GroupHandle(_submit(entries, process_set))
+
+
+def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
+                      prescale_factor=1.0, postscale_factor=1.0,
+                      process_set=global_process_set) -> List:
+    """Allreduce a list of tensors as one unit (negotiated and fused together)."""
+    pairs = [compression.compress(t) for t in tensors] if isinstance(tensors, (list, tuple)) \
+        else tensors
+    if isinstance(pairs, list):
+        handle = grouped_allreduce_async([p[0] for p in pairs], average, name, op,
+                                         prescale_factor, postscale_factor, process_set)
+        return [compression.decompress(out, ctx)
+                for out, (_, ctx) in zip(synchronize(handle), pairs)]
+    return synchronize(grouped_allreduce_async(tensors, average, name, op, prescale_factor,
+                                               postscale_factor, process_set))
+
+
+def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                       postscale_factor=1.0, process_set=global_process_set) -> List:
+    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
+                                                postscale_factor, process_set))
+
+
+# -- allgather -----------------------------------------------------------------------
+
+
+def allgather_async(tensor, name=None, process_set=global_process_set) -> Handle:
+    """Start gathering ``tensor`` from every rank along dimension 0."""
+    entry = core.allgather_entry(tensor, _name(name, "allgather"))
+    return _submit([entry], process_set)[0]
+
+
+def allgather(tensor, name=None, process_set=global_process_set):
+    """Concatenate every rank's ``tensor`` along dimension 0 (sizes may differ)."""
+    return synchronize(allgather_async(tensor, name, process_set))
+
+
+def grouped_allgather_async(tensors, name=None, process_set=global_process_set) -> GroupHandle:
+    entries = core.grouped(core.allgather_entry, tensors, _name(name, "grouped_allgather"),
+                           "grouped_allgather")
+    return GroupHandle(_submit(entries, process_set))
+
+
+def grouped_allgather(tensors, name=None, process_set=global_process_set) -> List:
+    return synchronize(grouped_allgather_async(tensors, name, process_set))
+
+
+# -- broadcast -----------------------------------------------------------------------
+
+
+def _broadcast_async(tensor, root_rank, name, process_set, inplace) -> Handle:
+    entry = core.broadcast_entry(tensor, root_rank, _set_size(process_set),
+                                 _name(name, "broadcast"), inplace=inplace)
+    return _submit([entry], process_set)[0]
+
+
+def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set) -> Handle:
+    """Start broadcasting ``tensor`` from ``root_rank``; returns a handle."""
+    return _broadcast_async(tensor, root_rank, name, process_set, False)
+
+
+def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set) -> Handle:
+    return _broadcast_async(tensor, root_rank, name, process_set, True)
+
+
+def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
+    """Return ``root_rank``'s ``tensor`` on every rank."""
+    return synchronize(broadcast_async(tensor, root_rank, name, process_set))
+
+
+def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
+    """Overwrite ``tensor`` with ``root_rank``'s value; returns ``tensor``."""
+    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+
+
+# -- alltoall ------------------------------------------------------------------------
+
+
+def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set) -> Handle:
+    """Start an alltoall; ``splits[i]`` rows of ``tensor`` go to rank ``i``."""
+    entry = core.alltoall_entry(tensor, splits, _set_size(process_set), _name(name, "alltoall"))
+    if splits is None:
+        entry.finish = lambda result: result[0]
+    return _submit([entry], process_set)[0]
+
+
+def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
+    """Scatter slices of ``tensor`` to every rank and gather theirs.
+
+    Returns the received tensor; when ``splits`` is given, returns
+    ``(received, received_splits)`` where ``received_splits[i]`` rows came
+    from rank ``i``.
+    """
+    return synchronize(alltoall_async(tensor, splits, name, process_set))
+
+
+# -- reducescatter -------------------------------------------------------------------
+
+
+def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set,
+                        prescale_factor=1.0, postscale_factor=1.0) -> Handle:
+    """Start a reducescatter: reduce across ranks, keep this rank's slice of dim 0."""
+    entry = core.reducescatter_entry(tensor, _name(name, "reducescatter"), op,
+                                     prescale_factor, postscale_factor)
+    return _submit([entry], process_set)[0]
+
+
+def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
+                  process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
+    """Reduce ``tensor`` across ranks and return this rank's part of dimension 0.
+
+    Rank ``r`` receives ``d // size`` rows, plus one if ``r < d % size``.
+    """
+    compressed, ctx = compression.compress(tensor)
+    handle = reducescatter_async(compressed, name, op, process_set, prescale_factor,
+                                 postscale_factor)
+    return compression.decompress(synchronize(handle), ctx)
+
+
+def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set,
+                                prescale_factor=1.0, postscale_factor=1.0) -> GroupHandle:
+    entries = core.grouped(core.reducescatter_entry, tensors,
+                           _name(name, "grouped_reducescatter"), "grouped_reducescatter", op=op,
+                           prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+    return GroupHandle(_submit(entries, process_set))
+
+
+def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
+                          process_set=global_process_set, prescale_factor=1.0,
+                          postscale_factor=1.0) -> List:
+    pairs = [compression.compress(t) for t in tensors]
+    handle = grouped_reducescatter_async([p[0] for p in pairs], name, op, process_set,
+                                         prescale_factor, postscale_factor)
+    return [compression.decompress(out, ctx) for out, (_, ctx) in zip(synchronize(handle), pairs)]
+
+
+# -- barrier and join ----------------------------------------------------------------
+
+
+def barrier(process_set=global_process_set) -> None:
+    """Block until every rank of ``process_set`` reaches the barrier."""
+    entry = core.barrier_entry(_name(None, "barrier"))
+    synchronize(_submit([entry], process_set)[0])
+
+
+def join(device=-1) -> int:
+    """Declare that this rank has no more data; return the last rank to join.
+
+    Until every rank has joined, this rank takes part in the other ranks'
+    allreduces with zeros, so they keep training without hanging.
+    """
+    entry = core.join_entry(_name(None, "join"))
+    return synchronize(_submit([entry], global_process_set)[0])

@@ -1,0 +1,121 @@
+"""Run a function on N real ranks talking over loopback sockets.
+
+``run_ranks(fn, np)`` plays the launcher's part: it hosts a TCPStore, starts
+``np`` fresh Python processes with the ``HVDLIKE_*`` variables set, runs
+``fn(*args)`` in each and returns their results in rank order. Every run has a
+hard deadline; on expiry or failure all processes are killed (their whole
+process groups) before the error is raised, so nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import cloudpickle
+
+from hvdlike.core import bootstrap
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class RankFailure(AssertionError):
+    def __init__(self, message: str, outputs: Dict[int, str]):
+        super().__init__(message)
+        self.outputs = outputs
+
+
+def _kill_all(procs: Sequence[subprocess.Popen]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for proc in procs:
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def run_ranks(fn: Callable, np: int = 2, args: Sequence[Any] = (), env: Optional[dict] = None,
+              timeout: float = 90.0, expect_failure: bool = False):
+    """Run ``fn(*args)`` on ``np`` ranks; return results (or outputs if expect_failure).
+
+    Args:
+        fn: picklable callable; it may ``import hvdlike.torch`` and call ``init()``.
+        np: number of ranks.
+        args: positional arguments for ``fn``.
+        env: extra environment variables for every rank.
+        timeout: hard deadline in seconds for the whole run.
+        expect_failure: when True, do not raise on a failing rank; return
+            ``(returncodes, outputs)`` instead.
+    """
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, np, True, wait_for_workers=False)
+    secret = secrets.token_hex(16)
+    with tempfile.TemporaryDirectory(prefix="hvdlike-test-") as tmp:
+        payload = os.path.join(tmp, "fn.pkl")
+        with open(payload, "wb") as f:
+            cloudpickle.dump((fn, tuple(args)), f)
+        procs, logs = [], []
+        for rank in range(np):
+            rank_env = dict(os.environ)
+            rank_env.update({
+                bootstrap.ENV_RANK: str(rank), bootstrap.ENV_SIZE: str(np),
+                bootstrap.ENV_LOCAL_RANK: str(rank), bootstrap.ENV_LOCAL_SIZE: str(np),
+                bootstrap.ENV_CROSS_RANK: "0", bootstrap.ENV_CROSS_SIZE: "1",
+                bootstrap.ENV_STORE_ADDR: "127.0.0.1", bootstrap.ENV_STORE_PORT: str(store.port),
+                bootstrap.ENV_JOB_SECRET: secret, bootstrap.ENV_LAUNCHER: "test-harness",
+                "PYTHONPATH": ROOT + os.pathsep + rank_env.get("PYTHONPATH", ""),
+                "OMP_NUM_THREADS": "1",
+            })
+            rank_env.update(env or {})
+            log = open(os.path.join(tmp, f"rank{rank}.log"), "w+")
+            logs.append(log)
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "tests.multiproc.worker", payload,
+                 os.path.join(tmp, f"result{rank}.pkl")],
+                cwd=ROOT, env=rank_env, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True))
+        deadline = time.monotonic() + timeout
+        try:
+            while any(p.poll() is None for p in procs):
+                if time.monotonic() > deadline:
+                    break
+                if not expect_failure and any(p.poll() not in (None, 0) for p in procs):
+                    # One rank failed: give the others a moment to report, then stop.
+                    grace = time.monotonic() + 40
+                    while any(p.poll() is None for p in procs) and time.monotonic() < grace:
+                        time.sleep(0.05)
+                    break
+                time.sleep(0.02)
+            timed_out = any(p.poll() is None for p in procs)
+        finally:
+            _kill_all(procs)
+        outputs = {}
+        for rank, log in enumerate(logs):
+            log.seek(0)
+            outputs[rank] = log.read()
+            log.close()
+        codes = [p.returncode for p in procs]
+        if expect_failure:
+            return codes, outputs
+        if timed_out or any(codes):
+            text = "\n".join(f"--- rank {r} (exit {codes[r]}) ---\n{outputs[r][-4000:]}"
+                             for r in range(np))
+            what = f"timed out after {timeout:g}s" if timed_out else f"exit codes {codes}"
+            raise RankFailure(f"ranks failed: {what}\n{text}", outputs)
+        results = []
+        for rank in range(np):
+            with open(os.path.join(tmp, f"result{rank}.pkl"), "rb") as f:
+                results.append(cloudpickle.load(f))
+        return results
