@@ -1,0 +1,1 @@
+"""hvdlike-run: the launcher. See :mod:`hvdlike.launcher.cli` for the manual."""

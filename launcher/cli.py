@@ -1,0 +1,244 @@
+"""hvdlike-run: start a data-parallel job on one or many hosts.
+
+Usage::
+
+    hvdlike-run -np 4 python train.py                      # 4 ranks on this machine
+    hvdlike-run -np 8 -H host1:4,host2:4 python train.py   # 2 hosts over ssh
+    hvdlike-run --hostfile hosts.txt python train.py       # every slot of a hostfile
+    hvdlike-run --mpi -np 8 -H host1:4,host2:4 python train.py   # hand over to mpirun
+
+Hosts and slots
+    ``-H host1:4,host2:4`` (``host`` alone is one slot; ``user@host`` and
+    ``[ipv6]:N`` work) or ``--hostfile F`` with one ``host slots=N`` per line
+    (``#`` comments and blank lines ignored). Without either: ``localhost:np``.
+    ``-np`` defaults to every slot. Ranks fill hosts in order.
+
+What each rank gets
+    Its command runs in the launcher's working directory with the launcher's
+    environment (remote hosts: minus host-specific variables such as
+    ``HOSTNAME``, ``SSH_*``, ``DISPLAY``), plus ``HVDLIKE_RANK``, ``HVDLIKE_SIZE``,
+    ``HVDLIKE_LOCAL_RANK``, ``HVDLIKE_LOCAL_SIZE``, ``HVDLIKE_CROSS_RANK``,
+    ``HVDLIKE_CROSS_SIZE``, ``HVDLIKE_HOSTNAME``, ``HVDLIKE_STORE_ADDR``,
+    ``HVDLIKE_STORE_PORT``, ``HVDLIKE_JOB_SECRET``, ``HVDLIKE_LAUNCHER`` and, with
+    ``--network-interface``, ``HVDLIKE_GLOO_IFACE``; knob flags become their
+    ``HVDLIKE_*`` variables. The environment travels over ssh's stdin: the job
+    secret never appears on a command line.
+
+Remote hosts
+    Reached with OpenSSH in batch mode (keys, no prompts): ``-p`` port, ``-i``
+    key, ``--ssh-option KEY=VALUE`` for anything else. Before starting, every
+    remote host is probed in parallel (ssh works, hvdlike imports, the working
+    directory and command exist) within ``--start-timeout``; failures are listed
+    per host. The launcher hosts the rendezvous store on the address that routes
+    to the hosts, or on ``--network-interface``'s address.
+
+Output
+    Every line is prefixed ``[rank]<stdout>:`` or ``[rank]<stderr>:`` and goes to
+    the launcher's stdout or stderr respectively. ``--output-filename DIR`` also
+    writes ``DIR/rank.N/stdout`` and ``DIR/rank.N/stderr``. ``--verbose`` prints
+    the exact commands; ``--dry-run`` prints them without running anything.
+
+Failure
+    When a rank exits non-zero or dies, every other rank on every host gets
+    SIGTERM, then SIGKILL after ``--grace-period-seconds``; the launcher prints
+    which rank failed, on which host, how (exit code or signal) and the last
+    lines of its stderr, and exits with the rank's exit code (128+N for signal
+    N). Ctrl-C or SIGTERM on the launcher stops every rank the same way (a
+    second Ctrl-C kills at once) and exits with 130 / 143. If the launcher
+    itself is killed, ranks notice their closed stdin and stop: nothing is left
+    behind. Bad input (malformed hosts, ``-np`` out of range, unknown flag,
+    missing command, unreachable host) ends with a one-line reason and exit
+    status 2.
+
+Exit status
+    0 all ranks succeeded; the failed rank's status; 2 bad input; 130/143
+    interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, NoReturn, Optional, Sequence
+
+from hvdlike.core import config as core_config
+
+from .errors import LaunchError
+from .launch_config import (
+    LaunchConfig,
+    SshOptions,
+    effective_settings,
+    knob_environment,
+    resolve_hosts,
+)
+
+USAGE_ERROR = 2
+PROG = "hvdlike-run"
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("hvdlike")
+    except Exception:  # not installed as a distribution
+        return "unknown"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        sys.stderr.write(f"{PROG}: error: {message} (see {PROG} --help)\n")
+        sys.exit(USAGE_ERROR)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser; knob flags come from :data:`hvdlike.core.config.KNOBS`."""
+    parser = _Parser(
+        prog=PROG, allow_abbrev=False,
+        usage=f"{PROG} [options] command [args...]",
+        description="Start a Horovod-style data-parallel job (see docs/launcher.md).",
+    )
+    add = parser.add_argument
+    add("-np", "--num-proc", dest="np", type=_positive_int, metavar="N",
+        help="number of ranks (default: every slot)")
+    add("-H", "--hosts", metavar="HOST:SLOTS,...", help="hosts and slots, e.g. h1:4,h2:4")
+    add("--hostfile", metavar="FILE", help="file of 'host slots=N' lines")
+    add("-p", "--ssh-port", type=_positive_int, metavar="PORT", help="ssh port of remote hosts")
+    add("-i", "--ssh-identity-file", metavar="FILE", help="ssh private key")
+    add("--ssh-option", action="append", default=[], metavar="KEY=VALUE",
+        help="extra ssh -o option (repeatable)")
+    add("--network-interface", default="", metavar="IFACE",
+        help="interface for the rendezvous store and Gloo (default: the one routing to the hosts)")
+    add("--remote-python", metavar="PATH", default=sys.executable,
+        help="Python on remote hosts (default: this launcher's interpreter path)")
+    add("--output-filename", metavar="DIR", help="also write DIR/rank.N/{stdout,stderr}")
+    add("--grace-period-seconds", type=_seconds, default=5.0, metavar="S",
+        help="time between SIGTERM and SIGKILL when stopping ranks (default 5)")
+    add("--skip-preflight", action="store_true", help="do not probe remote hosts first")
+    add("--verbose", action="store_true", help="print the exact commands run")
+    add("--dry-run", action="store_true", help="print what would run, run nothing")
+    add("--check-build", action="store_true", help="show available frameworks and backends")
+    add("--mpi", action="store_true", help="launch with mpirun (Open MPI or MPICH)")
+    add("--mpi-args", default="", metavar="ARGS", help="extra mpirun arguments (one string)")
+    add("--version", action="version", version=f"{PROG} {_version()}")
+    knobs = parser.add_argument_group("runtime knobs (each sets the HVDLIKE_* variable shown)")
+    for knob in core_config.KNOBS:
+        if not knob.flag:
+            continue
+        if isinstance(knob.default, bool):
+            knobs.add_argument(knob.flag, dest=f"knob_{knob.field}", action="store_true",
+                               default=None, help=f"{knob.help} ({knob.env}=1)")
+        else:
+            knobs.add_argument(knob.flag, dest=f"knob_{knob.field}", metavar="VALUE",
+                               help=f"{knob.help} ({knob.env})")
+    add("command", nargs=argparse.REMAINDER, help="the program each rank runs, and its arguments")
+    return parser
+
+
+def to_config(args: argparse.Namespace) -> LaunchConfig:
+    """Turn parsed flags into a :class:`LaunchConfig`.
+
+    Raises:
+        LaunchError: a value is invalid.
+    """
+    import shlex
+
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    knob_values = {name[len("knob_"):]: value for name, value in vars(args).items()
+                   if name.startswith("knob_")}
+    config = LaunchConfig(
+        command=command,
+        hosts=resolve_hosts(args.hosts, args.hostfile, args.np),
+        np=args.np,
+        ssh=SshOptions(port=args.ssh_port, identity_file=args.ssh_identity_file,
+                       options=list(args.ssh_option)),
+        network_interface=args.network_interface,
+        knob_env=knob_environment(knob_values),
+        grace_seconds=args.grace_period_seconds,
+        output_dir=args.output_filename,
+        verbose=args.verbose,
+        dry_run=args.dry_run,
+        preflight=not args.skip_preflight,
+        use_mpi=args.mpi,
+        mpi_args=shlex.split(args.mpi_args),
+        remote_python=args.remote_python,
+    )
+    config.start_timeout = effective_settings(config).start_timeout
+    config.ssh.connect_timeout = min(10.0, config.start_timeout)
+    for option in config.ssh.options:
+        if "=" not in option:
+            raise LaunchError(f"--ssh-option {option!r} is not valid: expected KEY=VALUE")
+    return config
+
+
+def _say(text: str) -> None:
+    sys.stderr.write(f"{PROG}: {text}\n")
+    sys.stderr.flush()
+
+
+def execute(config: LaunchConfig) -> int:
+    """Run a job described by ``config``; return the launcher's exit status."""
+    from .hosts import assign_ranks
+    from .job import Job, print_dry_run
+    from .monitor import failure_summary
+
+    if not config.command:
+        raise LaunchError(f"no command given: usage is {PROG} [options] command [args...]")
+    if config.use_mpi:
+        from .mpi_exec import run_with_mpirun
+
+        np = len(assign_ranks(config.hosts, config.np))
+        return run_with_mpirun(config, np, dry_run=config.dry_run, verbose=print)
+    job = Job(config)
+    if config.dry_run:
+        print_dry_run(job)
+        return 0
+    with job:
+        result = job.run()
+    if result.failure is not None:
+        _say("job failed: " + failure_summary(result.failure).replace("\n", f"\n{PROG}: "))
+    elif result.interrupted:
+        _say(f"job interrupted ({result.interrupted}); every rank was stopped")
+    return result.exit_code
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of ``hvdlike-run``; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.check_build:
+            from .check_build import report
+
+            sys.stdout.write(report(_version()))
+            return 0
+        return execute(to_config(args))
+    except LaunchError as exc:
+        _say(f"error: {exc}")
+        return USAGE_ERROR
+    except KeyboardInterrupt:
+        _say("interrupted")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

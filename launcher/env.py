@@ -1,0 +1,104 @@
+"""The environment each rank runs with.
+
+Local ranks inherit the launcher's environment. Remote ranks get it forwarded
+(PATH, PYTHONPATH, the virtualenv, ``HVDLIKE_*``, the user's own variables),
+minus the variables that describe the launcher's own host or login session.
+Either way the job's variables from :mod:`hvdlike.core.bootstrap` are added on
+top. The environment travels over the helper's stdin, never on a command line.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Dict, Mapping
+
+from hvdlike.core.bootstrap import (
+    ENV_CROSS_RANK,
+    ENV_CROSS_SIZE,
+    ENV_GLOO_IFACE,
+    ENV_HOSTNAME,
+    ENV_JOB_SECRET,
+    ENV_LAUNCHER,
+    ENV_LOCAL_RANK,
+    ENV_LOCAL_SIZE,
+    ENV_RANK,
+    ENV_SIZE,
+    ENV_STORE_ADDR,
+    ENV_STORE_PORT,
+)
+
+from .hosts import RankPlacement
+
+# Variables that belong to the launcher's host or session, not to the job.
+_HOST_SPECIFIC = re.compile(
+    r"^(HOSTNAME|HOST|DISPLAY|XAUTHORITY|PWD|OLDPWD|SHLVL|_|TERM|TERMCAP|COLUMNS|LINES"
+    r"|SSH_.*|TMUX.*|STY|WINDOW|XDG_.*|DBUS_.*|KRB5CCNAME|MAIL|LS_COLORS|PS1|PS2"
+    r"|BASH_FUNC_.*|OMPI_.*|PMI_.*|PMIX_.*|SLURM_.*|HYDRA_.*|MPI_LOCAL.*"
+    r"|TORCHELASTIC_.*|MASTER_ADDR|MASTER_PORT|RANK|WORLD_SIZE|LOCAL_RANK"
+    r"|LOCAL_WORLD_SIZE|GROUP_RANK)$"
+)
+
+# The per-rank variables a nested launcher must not leak into its own ranks.
+JOB_VARIABLES = (
+    ENV_RANK, ENV_SIZE, ENV_LOCAL_RANK, ENV_LOCAL_SIZE, ENV_CROSS_RANK, ENV_CROSS_SIZE,
+    ENV_HOSTNAME, ENV_STORE_ADDR, ENV_STORE_PORT, ENV_JOB_SECRET, ENV_GLOO_IFACE,
+    ENV_LAUNCHER,
+)
+
+
+def forwardable(name: str) -> bool:
+    """Whether a launcher variable is forwarded to remote ranks."""
+    return not _HOST_SPECIFIC.match(name) and name not in JOB_VARIABLES
+
+
+def base_environment(launcher_env: Mapping[str, str], remote: bool) -> Dict[str, str]:
+    """The launcher's environment as a rank on a local or remote host should see it."""
+    if remote:
+        return {k: v for k, v in launcher_env.items() if forwardable(k)}
+    return {k: v for k, v in launcher_env.items() if k not in JOB_VARIABLES}
+
+
+def rank_environment(
+    base: Mapping[str, str],
+    placement: RankPlacement,
+    store_addr: str,
+    store_port: int,
+    secret: str,
+    gloo_iface: str = "",
+    knobs: Mapping[str, str] = (),
+) -> Dict[str, str]:
+    """Everything one rank needs: ``base`` plus knobs plus the job's variables.
+
+    Args:
+        base: result of :func:`base_environment` for the rank's host.
+        placement: the rank's host and topology.
+        store_addr: address of the rendezvous store.
+        store_port: its port.
+        secret: the job secret (key prefix and HMAC key).
+        gloo_iface: network interface Gloo binds to; empty lets the core choose.
+        knobs: ``HVDLIKE_*`` knob variables set from launcher flags.
+    """
+    topo = placement.topology
+    env = dict(base)
+    env.update(dict(knobs))
+    env.update({
+        ENV_RANK: str(topo.rank),
+        ENV_SIZE: str(topo.size),
+        ENV_LOCAL_RANK: str(topo.local_rank),
+        ENV_LOCAL_SIZE: str(topo.local_size),
+        ENV_CROSS_RANK: str(topo.cross_rank),
+        ENV_CROSS_SIZE: str(topo.cross_size),
+        ENV_HOSTNAME: placement.host,
+        ENV_STORE_ADDR: store_addr,
+        ENV_STORE_PORT: str(store_port),
+        ENV_JOB_SECRET: secret,
+        ENV_LAUNCHER: "hvdlike-run",
+    })
+    if gloo_iface:
+        env[ENV_GLOO_IFACE] = gloo_iface
+    return env
+
+
+def redact(env: Mapping[str, str]) -> Dict[str, str]:
+    """A copy of ``env`` safe to print: the job secret is masked."""
+    return {k: ("<hidden>" if k == ENV_JOB_SECRET else v) for k, v in env.items()}

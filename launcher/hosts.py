@@ -1,0 +1,171 @@
+"""Hosts, slots and rank assignment: pure functions, no I/O except hostfile reading.
+
+``-H host1:4,host2:4`` and hostfiles (``host slots=N``) become a list of
+:class:`HostSlots`; :func:`assign_ranks` fills them in order and gives every rank
+its Horovod topology (rank, local rank, cross rank and sizes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import List, Optional, Sequence
+
+from hvdlike.core.bootstrap import Topology
+from hvdlike.core.mpi_bootstrap import topologies
+
+from .errors import LaunchError
+
+# A host name, an IPv4 address, or a bracketed IPv6 address.
+_HOST = r"(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.\-]+)"
+_HOST_SPEC = re.compile(rf"^({_HOST})(?::(\S*))?$")
+
+
+@dataclasses.dataclass(frozen=True)
+class HostSlots:
+    """A host and how many ranks it may run."""
+
+    host: str
+    slots: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RankPlacement:
+    """Where one rank runs and its place in the job."""
+
+    host: str
+    topology: Topology
+
+    @property
+    def rank(self) -> int:
+        return self.topology.rank
+
+
+def _slots(text: str, where: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise LaunchError(f"{where}: slots {text!r} must be a positive integer")
+    return int(text)
+
+
+def _strip_brackets(host: str) -> str:
+    return host[1:-1] if host.startswith("[") else host
+
+
+def parse_hosts(text: str) -> List[HostSlots]:
+    """Parse ``-H host1:4,host2:4`` (a host without ``:N`` has one slot).
+
+    Args:
+        text: comma-separated ``host[:slots]`` entries.
+
+    Returns:
+        The hosts in the order given.
+
+    Raises:
+        LaunchError: an entry is empty, malformed, repeated, or has bad slots.
+
+    Example:
+        >>> parse_hosts("a:2,b")
+        [HostSlots(host='a', slots=2), HostSlots(host='b', slots=1)]
+    """
+    if not text.strip():
+        raise LaunchError("-H/--hosts is empty: expected host[:slots][,host[:slots]...]")
+    result = []
+    for entry in text.split(","):
+        entry = entry.strip()
+        match = _HOST_SPEC.match(entry)
+        if not match:
+            raise LaunchError(
+                f"-H/--hosts entry {entry!r} is not valid: expected host or host:slots"
+            )
+        host, slots = match.group(1), match.group(2)
+        where = f"-H/--hosts entry {entry!r}"
+        result.append(HostSlots(_strip_brackets(host), 1 if slots is None else _slots(slots, where)))
+    return _no_repeats(result, "-H/--hosts")
+
+
+def parse_hostfile(text: str, name: str = "hostfile") -> List[HostSlots]:
+    """Parse a hostfile: ``host slots=N`` per line (``host`` alone: 1 slot).
+
+    ``#`` starts a comment; blank lines are ignored. ``host:N`` is accepted too.
+
+    Raises:
+        LaunchError: naming the file and line of the first malformed entry.
+    """
+    result = []
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        where = f"{name} line {number} ({line!r})"
+        tokens = line.split()
+        match = _HOST_SPEC.match(tokens[0])
+        if match is None:
+            raise LaunchError(f"{where} is not valid: expected 'host slots=N'")
+        host, slots_text = match.groups()
+        slots = 1 if slots_text is None else _slots(slots_text, where)
+        for token in tokens[1:]:
+            option = re.fullmatch(r"(slots|max_slots|max-slots)=(\S*)", token)
+            if option is None:
+                raise LaunchError(f"{where} is not valid: expected 'host slots=N'")
+            if option.group(1) == "slots":
+                slots = _slots(option.group(2), where)
+        result.append(HostSlots(_strip_brackets(host), slots))
+    if not result:
+        raise LaunchError(f"{name} lists no hosts")
+    return _no_repeats(result, name)
+
+
+def read_hostfile(path: str) -> List[HostSlots]:
+    """Read and parse the hostfile at ``path``.
+
+    Raises:
+        LaunchError: the file cannot be read or is malformed.
+    """
+    try:
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise LaunchError(f"cannot read hostfile {path!r}: {reason}") from None
+    return parse_hostfile(text, f"hostfile {path!r}")
+
+
+def _no_repeats(hosts: List[HostSlots], where: str) -> List[HostSlots]:
+    seen = set()
+    for entry in hosts:
+        if entry.host in seen:
+            raise LaunchError(f"{where} names host {entry.host!r} twice")
+        seen.add(entry.host)
+    return hosts
+
+
+def assign_ranks(hosts: Sequence[HostSlots], np: Optional[int]) -> List[RankPlacement]:
+    """Fill hosts in order with ``np`` ranks (all slots when ``np`` is None).
+
+    Args:
+        hosts: hosts and their slots, in order.
+        np: number of ranks; must be between 1 and the total number of slots.
+
+    Returns:
+        One :class:`RankPlacement` per rank, in rank order.
+
+    Raises:
+        LaunchError: ``np`` is below 1 or above the number of slots.
+
+    Example:
+        >>> [p.host for p in assign_ranks([HostSlots("a", 2), HostSlots("b", 2)], 3)]
+        ['a', 'a', 'b']
+    """
+    total = sum(entry.slots for entry in hosts)
+    if np is None:
+        np = total
+    if np < 1:
+        raise LaunchError(f"-np {np} is not valid: expected at least 1 process")
+    if np > total:
+        listed = ", ".join(f"{h.host}:{h.slots}" for h in hosts)
+        raise LaunchError(f"-np {np} is more than the {total} slot(s) available ({listed})")
+    host_of_rank: List[str] = []
+    for entry in hosts:
+        take = min(entry.slots, np - len(host_of_rank))
+        host_of_rank.extend([entry.host] * take)
+    return [RankPlacement(host, topo) for host, topo in zip(host_of_rank, topologies(host_of_rank))]

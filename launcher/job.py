@@ -1,0 +1,153 @@
+"""One job from start to end: place ranks, check hosts, host the store, run, monitor.
+
+:class:`Job` is shared by the CLI and ``hvdlike.run``. Used as a context manager
+it prepares everything (placement, pre-flight, store); :meth:`Job.run` starts the
+ranks and monitors them; leaving the context closes the store.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import sys
+from typing import Dict, List, Optional
+
+from . import env as rank_env
+from .errors import LaunchError
+from .hosts import RankPlacement, assign_ranks
+from .launch_config import LaunchConfig
+from .local_exec import helper_command
+from .monitor import Output, RunResult, Worker, monitor
+from .preflight import check_hosts, require_all_ok
+from .rendezvous import StoreServer, choose_address, is_local, new_secret
+from .ssh_exec import remote_helper_command
+
+
+def check_local_command(command: List[str], cwd: str, path: Optional[str]) -> None:
+    """Fail early, in one line, when the command does not exist on this machine."""
+    if not command:
+        raise LaunchError("no command given: usage is hvdlike-run [options] command [args...]")
+    program = command[0]
+    if os.sep in program:
+        full = os.path.join(cwd, program)
+        if not os.path.isfile(full):
+            raise LaunchError(f"command not found: {program}")
+        if not os.access(full, os.X_OK):
+            raise LaunchError(f"command is not executable: {program}")
+    elif shutil.which(program, path=path) is None:
+        raise LaunchError(f"command not found: {program}")
+
+
+class Job:
+    """A prepared job; see the module docstring."""
+
+    def __init__(self, config: LaunchConfig, output: Optional[Output] = None):
+        self.config = config
+        self.output = output or Output()
+        self.placements: List[RankPlacement] = assign_ranks(config.hosts, config.np)
+        self.local: Dict[str, bool] = {}
+        for placement in self.placements:
+            if placement.host not in self.local:
+                self.local[placement.host] = is_local(placement.host)
+        self.secret = new_secret()
+        self.store: Optional[StoreServer] = None
+        self.helper_scripts: Dict[str, Optional[str]] = {}  # remote host -> helper path
+
+    @property
+    def remote_hosts(self) -> List[str]:
+        return [host for host, local in self.local.items() if not local]
+
+    def _verbose(self, text: str) -> None:
+        if self.config.verbose:
+            self.output.note(text)
+
+    def check(self) -> None:
+        """Check the command locally and every remote host over ssh.
+
+        Raises:
+            LaunchError: the command is missing here, or a host failed its probe.
+        """
+        cfg = self.config
+        path = cfg.environ.get("PATH")
+        if not cfg.command or any(self.local.values()):
+            check_local_command(cfg.command, cfg.cwd, path)
+        if cfg.output_dir:
+            try:
+                for p in self.placements:
+                    os.makedirs(os.path.join(cfg.output_dir, f"rank.{p.rank}"), exist_ok=True)
+            except OSError as exc:
+                raise LaunchError(f"--output-filename {cfg.output_dir}: {exc.strerror or exc}") from None
+        if self.remote_hosts and cfg.preflight:
+            checks = check_hosts(self.remote_hosts, cfg.ssh, cfg.remote_python, cfg.cwd,
+                                 cfg.command[0], path or "", cfg.start_timeout,
+                                 verbose=lambda argv: self._verbose(f"pre-flight: {argv}"))
+            require_all_ok(checks)
+            self.helper_scripts = {check.host: check.helper for check in checks}
+
+    def __enter__(self) -> "Job":
+        self.check()
+        addr = choose_address(self.remote_hosts, self.config.network_interface)
+        self.store = StoreServer(addr, len(self.placements), self.secret,
+                                 self.config.start_timeout).__enter__()
+        self._verbose(f"rendezvous store listening on {addr}:{self.store.port}")
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        if self.store is not None:
+            self.store.__exit__(*exc_info)
+            self.store = None
+
+    def launch_argv(self, placement: RankPlacement) -> List[str]:
+        """The local command that starts the helper of one rank."""
+        if self.local[placement.host]:
+            return helper_command()
+        return remote_helper_command(placement.host, self.config.ssh, self.config.remote_python,
+                                     self.helper_scripts.get(placement.host))
+
+    def rank_spec(self, placement: RankPlacement, addr: str, port: int) -> dict:
+        """The description the helper receives on stdin (command, cwd, environment)."""
+        cfg = self.config
+        remote = not self.local[placement.host]
+        base = rank_env.base_environment(cfg.environ, remote)
+        env = rank_env.rank_environment(base, placement, addr, port, self.secret,
+                                        cfg.network_interface, cfg.knob_env)
+        return {"argv": cfg.command, "cwd": cfg.cwd, "env": env, "grace": cfg.grace_seconds}
+
+    def describe(self, addr: str = "<store-addr>", port: int = 0) -> str:
+        """What would run, one block per rank (the job secret hidden)."""
+        lines = []
+        for p in self.placements:
+            t = p.topology
+            spec = self.rank_spec(p, addr, port)
+            job_vars = {k: v for k, v in rank_env.redact(spec["env"]).items()
+                        if k.startswith("HVDLIKE_")}
+            lines.append(
+                f"rank {t.rank} on {p.host} ({'local' if self.local[p.host] else 'ssh'}; "
+                f"local_rank {t.local_rank}/{t.local_size}, cross_rank {t.cross_rank}/{t.cross_size})"
+            )
+            lines.append("    start:   " + shlex.join(self.launch_argv(p)))
+            lines.append("    command: " + shlex.join(spec["argv"]) + f"  (in {spec['cwd']})")
+            lines.append("    env:     " + " ".join(f"{k}={v}" for k, v in sorted(job_vars.items())))
+        return "\n".join(lines)
+
+    def run(self) -> RunResult:
+        """Start every rank, forward output, stop everything on failure; return the result."""
+        if self.store is None:
+            raise RuntimeError("Job.run() needs the job to be entered (with Job(...) as job)")
+        addr, port = self.store.endpoint()
+        if self.config.verbose:
+            self.output.note("launching:\n" + self.describe(addr, port))
+        workers = [
+            Worker(p, self.launch_argv(p), self.rank_spec(p, addr, port),
+                   remote=not self.local[p.host], output=self.output,
+                   log_dir=self.config.output_dir)
+            for p in self.placements
+        ]
+        return monitor(workers, self.output, self.config.grace_seconds)
+
+
+def print_dry_run(job: Job, stream=None) -> None:
+    """Print what ``job`` would run without starting anything."""
+    stream = stream or sys.stdout
+    stream.write(job.describe() + "\n")

@@ -1,0 +1,299 @@
+"""Watching the ranks: states, output, failure, stopping.
+
+Each rank is a :class:`Worker` wrapping its helper process (local or ssh). Output
+is forwarded line by line with a ``[rank]<stdout>:`` / ``[rank]<stderr>:``
+prefix to the launcher's stdout / stderr, and optionally to per-rank log files.
+:func:`monitor` waits until every rank has ended; the first failure (non-zero
+exit or death by signal) or an interrupt stops every other rank: the helper's
+stdin is closed, which makes it SIGTERM the rank's process group and SIGKILL it
+after the grace period. Helpers that do not end in time are killed outright.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import IO, Callable, Deque, Dict, List, Optional, Sequence
+
+from .hosts import RankPlacement
+
+TAIL_LINES = 10
+SSH_FAILURE = 255
+
+
+class WorkerState(enum.Enum):
+    """Life cycle of one rank."""
+
+    PENDING = "pending"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    STOPPED = "stopped"  # ended because the launcher stopped it
+
+
+def describe_exit(code: int, remote: bool) -> str:
+    """Human-readable reason for a helper's exit status."""
+    if code < 0:
+        code = 128 - code
+    if remote and code == SSH_FAILURE:
+        return "lost its ssh connection (ssh exit status 255)"
+    if 128 < code < 128 + 65:
+        try:
+            name = signal.Signals(code - 128).name
+        except ValueError:
+            name = "unknown"
+        return f"was killed by signal {code - 128} ({name})"
+    if code == 127:
+        return "could not start: command not found (exit code 127)"
+    return f"exited with code {code}"
+
+
+class Output:
+    """Serialises prefixed lines from all ranks onto the launcher's streams."""
+
+    def __init__(self, stdout: IO[str] = None, stderr: IO[str] = None):
+        self._streams = {"stdout": stdout or sys.stdout, "stderr": stderr or sys.stderr}
+        self._lock = threading.Lock()
+
+    def line(self, rank: int, stream: str, text: str) -> None:
+        with self._lock:
+            out = self._streams[stream]
+            out.write(f"[{rank}]<{stream}>:{text}\n")
+            out.flush()
+
+    def note(self, text: str) -> None:
+        """A launcher message on stderr."""
+        with self._lock:
+            self._streams["stderr"].write(f"hvdlike-run: {text}\n")
+            self._streams["stderr"].flush()
+
+
+class Worker:
+    """One rank's helper process and what it said."""
+
+    def __init__(self, placement: RankPlacement, argv: Sequence[str], spec: dict,
+                 remote: bool, output: Output, log_dir: Optional[str] = None):
+        self.placement = placement
+        self.argv = list(argv)
+        self.remote = remote
+        self.state = WorkerState.PENDING
+        self.exit_code: Optional[int] = None
+        self.stderr_tail: Deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self._spec = spec
+        self._output = output
+        self._log_dir = log_dir
+        self._proc: Optional[subprocess.Popen] = None
+        self._pumps: List[threading.Thread] = []
+        self.stop_requested_at: Optional[float] = None
+
+    @property
+    def rank(self) -> int:
+        return self.placement.rank
+
+    @property
+    def host(self) -> str:
+        return self.placement.host
+
+    @property
+    def pid(self) -> Optional[int]:
+        return self._proc.pid if self._proc else None
+
+    def start(self) -> None:
+        """Start the helper and hand it the rank's description on stdin."""
+        self._proc = subprocess.Popen(
+            self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            start_new_session=True,  # Ctrl-C reaches the launcher only; it stops ranks itself
+        )
+        self.state = WorkerState.RUNNING
+        for stream in ("stdout", "stderr"):
+            pump = threading.Thread(target=self._pump, args=(stream,), daemon=True,
+                                    name=f"hvdlike-run rank {self.rank} {stream}")
+            pump.start()
+            self._pumps.append(pump)
+        try:
+            self._proc.stdin.write(json.dumps(self._spec).encode() + b"\n")
+            self._proc.stdin.flush()
+        except OSError:
+            pass  # the helper already died; its exit status tells why
+
+    def _pump(self, stream: str) -> None:
+        source = getattr(self._proc, stream)
+        log = None
+        if self._log_dir:
+            folder = os.path.join(self._log_dir, f"rank.{self.rank}")
+            os.makedirs(folder, exist_ok=True)
+            log = open(os.path.join(folder, stream), "w", encoding="utf-8")
+        try:
+            for raw in iter(source.readline, b""):
+                text = raw.decode("utf-8", errors="replace").rstrip("\n")
+                if stream == "stderr":
+                    self.stderr_tail.append(text)
+                self._output.line(self.rank, stream, text)
+                if log:
+                    log.write(text + "\n")
+                    log.flush()
+        finally:
+            if log:
+                log.close()
+
+    def wait(self) -> int:
+        """Block until the helper ends and its output is drained; return its status."""
+        code = self._proc.wait()
+        for pump in self._pumps:
+            pump.join()
+        self.exit_code = code
+        return code
+
+    def request_stop(self) -> None:
+        """Ask the helper to stop the rank (SIGTERM, then SIGKILL after its grace)."""
+        if self.stop_requested_at is None and self._proc and self._proc.poll() is None:
+            self.stop_requested_at = time.monotonic()
+            try:
+                self._proc.stdin.close()
+            except OSError:
+                pass
+
+    def kill(self) -> None:
+        """End the helper at once (its rank dies with it or with its connection)."""
+        if self._proc and self._proc.poll() is None:
+            try:
+                os.killpg(self._proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+@dataclasses.dataclass
+class RunResult:
+    """How a job ended."""
+
+    exit_code: int
+    failure: Optional[Worker] = None
+    interrupted: Optional[str] = None
+    workers: List[Worker] = dataclasses.field(default_factory=list)
+
+
+def failure_summary(worker: Worker) -> str:
+    """Multi-line summary of a failed rank: who, where, why, last stderr lines."""
+    lines = [
+        f"rank {worker.rank} on host {worker.host} "
+        f"{describe_exit(worker.exit_code, worker.remote)}"
+    ]
+    if worker.stderr_tail:
+        lines.append(f"last {len(worker.stderr_tail)} line(s) of rank {worker.rank} stderr:")
+        lines.extend(f"    {text}" for text in worker.stderr_tail)
+    return "\n".join(lines)
+
+
+def _exit_code_for(code: int) -> int:
+    if code < 0:
+        return 128 - code
+    return code if 0 < code < 256 else 1
+
+
+class _Interrupts:
+    """Turns SIGINT/SIGTERM into queue events while the job runs."""
+
+    def __init__(self, events: "queue.Queue"):
+        self._events = events
+        self._previous: Dict[int, object] = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:  # noqa: ARG002 - signal handler signature
+        self._events.put(("signal", signum))
+
+    def __exit__(self, *exc_info) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def monitor(workers: Sequence[Worker], output: Output, grace_seconds: float,
+            clock: Callable[[], float] = time.monotonic) -> RunResult:
+    """Start every worker and wait until all have ended.
+
+    Args:
+        workers: the ranks, not yet started.
+        output: where launcher notes go.
+        grace_seconds: time a helper gets between SIGTERM and SIGKILL of its rank;
+            helpers still alive ``grace_seconds + 10`` s after a stop are killed.
+        clock: monotonic clock (a seam for tests).
+
+    Returns:
+        The run's result; ``exit_code`` is 0 only if every rank succeeded.
+    """
+    events: "queue.Queue" = queue.Queue()
+    result = RunResult(exit_code=0, workers=list(workers))
+    live = {w.rank: w for w in workers}
+    stopping_since: Optional[float] = None
+    interrupts = 0
+
+    def stop_all(reason: str) -> None:
+        nonlocal stopping_since
+        others = [w for w in live.values() if w.state is WorkerState.RUNNING]
+        if stopping_since is None:
+            stopping_since = clock()
+            if others:
+                output.note(f"{reason}; stopping {len(others)} other rank(s)")
+        for w in others:
+            w.request_stop()
+
+    def waiter(worker: Worker) -> None:
+        events.put(("exit", worker.rank, worker.wait()))
+
+    with _Interrupts(events):
+        for worker in workers:
+            try:
+                worker.start()
+            except OSError as exc:
+                worker.state, worker.exit_code = WorkerState.FAILED, 127
+                worker.stderr_tail.append(f"cannot start {worker.argv[0]}: {exc.strerror or exc}")
+                events.put(("exit", worker.rank, 127))
+                continue
+            threading.Thread(target=waiter, args=(worker,), daemon=True).start()
+        while live:
+            try:
+                event = events.get(timeout=0.2)
+            except queue.Empty:
+                event = None
+            if event and event[0] == "signal":
+                interrupts += 1
+                name = signal.Signals(event[1]).name
+                if result.interrupted is None:
+                    result.interrupted = name
+                    result.exit_code = 128 + event[1]
+                stop_all(f"received {name}")
+                if interrupts > 1:
+                    for w in live.values():
+                        w.kill()
+            elif event and event[0] == "exit":
+                worker = live.pop(event[1])
+                code = event[2]
+                stopped = worker.stop_requested_at is not None
+                if code == 0:
+                    worker.state = WorkerState.SUCCEEDED
+                elif stopped:
+                    worker.state = WorkerState.STOPPED
+                else:
+                    worker.state = WorkerState.FAILED
+                    if result.failure is None and result.interrupted is None:
+                        result.failure = worker
+                        result.exit_code = _exit_code_for(code)
+                        stop_all(f"rank {worker.rank} on host {worker.host} "
+                                 f"{describe_exit(code, worker.remote)}")
+            if stopping_since is not None and clock() - stopping_since > grace_seconds + 10:
+                for w in live.values():
+                    w.kill()
+    return result

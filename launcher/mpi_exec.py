@@ -1,0 +1,153 @@
+"""``hvdlike-run --mpi``: hand the launch to ``mpirun``.
+
+Open MPI and MPICH (Hydra) take different flags; :func:`mpirun_command` builds
+the right command for each. Environment values never go on the command line:
+Open MPI gets ``-x NAME`` (value read from mpirun's own environment), Hydra
+forwards the whole environment (``-genvall``). The ranks then bootstrap from
+MPI's variables (see :mod:`hvdlike.core.mpi_bootstrap`), with rank 0 hosting
+the store and mpi4py sharing its address.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import stat
+import subprocess
+import tempfile
+from typing import List, Mapping, Optional, Sequence
+
+from . import env as rank_env
+from .errors import LaunchError
+from .hosts import HostSlots
+from .launch_config import LaunchConfig
+from .ssh_exec import ssh_options
+
+OPEN_MPI = "openmpi"
+MPICH = "mpich"
+
+
+def flavour_of(version_text: str) -> Optional[str]:
+    """Which MPI printed this ``mpirun --version`` text (None: unknown)."""
+    low = version_text.lower()
+    if "open mpi" in low or "open-mpi" in low or "openrte" in low:
+        return OPEN_MPI
+    if "hydra" in low or "mpich" in low or "intel(r) mpi" in low:
+        return MPICH
+    return None
+
+
+def detect_flavour(mpirun: str = "mpirun") -> str:
+    """Run ``mpirun --version`` and tell Open MPI from MPICH.
+
+    Raises:
+        LaunchError: mpirun is missing or unrecognised.
+    """
+    try:
+        proc = subprocess.run([mpirun, "--version"], capture_output=True, text=True, timeout=20)
+    except FileNotFoundError:
+        raise LaunchError(f"--mpi: {mpirun} not found; install Open MPI or MPICH "
+                          "(pip install 'hvdlike[mpi]')") from None
+    except subprocess.TimeoutExpired:
+        raise LaunchError(f"--mpi: '{mpirun} --version' did not answer within 20s") from None
+    flavour = flavour_of(proc.stdout + proc.stderr)
+    if flavour is None:
+        raise LaunchError(f"--mpi: cannot tell which MPI {mpirun} belongs to")
+    return flavour
+
+
+def _host_list(hosts: Sequence[HostSlots]) -> str:
+    return ",".join(f"{h.host}:{h.slots}" for h in hosts)
+
+
+def mpirun_command(
+    flavour: str,
+    np: int,
+    hosts: Sequence[HostSlots],
+    command: Sequence[str],
+    env_names: Sequence[str],
+    ssh_args: Sequence[str] = (),
+    ssh_wrapper: Optional[str] = None,
+    extra: Sequence[str] = (),
+    as_root: bool = False,
+    mpirun: str = "mpirun",
+) -> List[str]:
+    """The ``mpirun`` command for ``flavour``.
+
+    Args:
+        flavour: :data:`OPEN_MPI` or :data:`MPICH`.
+        np: number of ranks.
+        hosts: hosts and slots.
+        command: the user's program and arguments.
+        env_names: variables to forward (Open MPI only; Hydra forwards everything).
+        ssh_args: ssh options (Open MPI passes them to its rsh agent).
+        ssh_wrapper: an executable that runs ssh with those options (Hydra's
+            ``-launcher-exec`` takes a program, not arguments).
+        extra: the user's extra mpirun arguments, inserted before the command.
+        as_root: add Open MPI's ``--allow-run-as-root``.
+        mpirun: the mpirun executable.
+    """
+    if flavour == OPEN_MPI:
+        argv = [mpirun]
+        if as_root:
+            argv.append("--allow-run-as-root")
+        argv += ["-np", str(np), "-H", _host_list(hosts), "--bind-to", "none",
+                 "--map-by", "slot", "--tag-output"]
+        if ssh_args:
+            argv += ["--mca", "plm_rsh_args", " ".join(shlex.quote(a) for a in ssh_args)]
+        for name in env_names:
+            argv += ["-x", name]
+    elif flavour == MPICH:
+        argv = [mpirun, "-np", str(np), "-hosts", _host_list(hosts), "-prepend-rank", "-genvall"]
+        if ssh_wrapper:
+            argv += ["-launcher", "ssh", "-launcher-exec", ssh_wrapper]
+    else:
+        raise LaunchError(f"--mpi: unsupported MPI flavour {flavour!r}")
+    return argv + list(extra) + list(command)
+
+
+def _write_ssh_wrapper(folder: str, ssh_args: Sequence[str]) -> str:
+    path = os.path.join(folder, "ssh")
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write("#!/bin/sh\nexec ssh " + " ".join(shlex.quote(a) for a in ssh_args)
+                     + ' "$@"\n')
+    os.chmod(path, stat.S_IRWXU)
+    return path
+
+
+def mpi_environment(config: LaunchConfig) -> Mapping[str, str]:
+    """mpirun's environment: the launcher's plus knob variables, minus job variables."""
+    env = {k: v for k, v in config.environ.items() if k not in rank_env.JOB_VARIABLES}
+    env.update(config.knob_env)
+    return env
+
+
+def run_with_mpirun(config: LaunchConfig, np: int, dry_run: bool = False,
+                    verbose=print, mpirun: str = "mpirun") -> int:
+    """Run the job under mpirun; return its exit status (or 0 after a dry run)."""
+    flavour = detect_flavour(mpirun)
+    env = mpi_environment(config)
+    names = sorted(k for k in env if rank_env.forwardable(k))
+    remote = any(h.host not in ("localhost", "127.0.0.1") for h in config.hosts)
+    ssh_args = ssh_options(config.ssh) if remote else []
+    with tempfile.TemporaryDirectory(prefix="hvdlike-mpi-") as folder:
+        wrapper = _write_ssh_wrapper(folder, ssh_args) if ssh_args and flavour == MPICH else None
+        argv = mpirun_command(flavour, np, config.hosts, config.command, names,
+                              ssh_args=ssh_args if flavour == OPEN_MPI else (),
+                              ssh_wrapper=wrapper, extra=config.mpi_args,
+                              as_root=hasattr(os, "geteuid") and os.geteuid() == 0,
+                              mpirun=mpirun)
+        if dry_run or config.verbose:
+            verbose(shlex.join(argv))
+        if dry_run:
+            return 0
+        proc = subprocess.Popen(argv, env=dict(env), cwd=config.cwd)
+        previous = {sig: signal.signal(sig, lambda s, f: proc.send_signal(signal.SIGTERM))
+                    for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            code = proc.wait()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+    return 128 - code if code < 0 else code

@@ -1,0 +1,154 @@
+"""The helper that runs one rank on its host: ``python -m hvdlike.launcher.remote``.
+
+``hvdlike-run`` starts this helper for every rank, locally or through ssh, and
+writes one JSON line to its stdin: the command, the working directory and the
+full environment (including the job secret, which therefore never appears on a
+command line). The helper starts the command in a new session, lets its stdout
+and stderr flow straight through, and keeps reading stdin. End of stdin (the
+launcher closed it, died, or the ssh connection dropped) means "stop": the
+command's whole process group gets SIGTERM, then SIGKILL after the grace period.
+When the command exits, any process it left in its group is killed too, so
+nothing outlives a rank.
+
+Exit status: the command's exit code, ``128 + N`` when signal N ended it, 127
+when the command does not exist, 126 when it cannot be started or the working
+directory is missing.
+
+With ``{"probe": {...}}`` instead, the helper only reports (as one JSON line)
+whether the working directory and command exist on this host: the launcher's
+pre-flight check. Only the standard library is used, so the helper starts fast.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from typing import List, Optional
+
+_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def _say(message: str) -> None:
+    sys.stderr.write(f"hvdlike-run: {message}\n")
+    sys.stderr.flush()
+
+
+def _die_with_parent():
+    """A ``preexec_fn`` that asks Linux to SIGKILL the child when this helper dies."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        prctl = libc.prctl
+    except (OSError, AttributeError):
+        return None
+    pr_set_pdeathsig = 1
+
+    def preexec() -> None:
+        prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+
+    return preexec
+
+
+def _kill_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _resolve(command: str, cwd: str, path: Optional[str]) -> Optional[str]:
+    if os.sep in command:
+        full = os.path.join(cwd, command)
+        return full if os.path.isfile(full) else None
+    return shutil.which(command, path=path)
+
+
+def probe(spec: dict) -> int:
+    """Report whether ``spec['cwd']`` and ``spec['command']`` (on ``spec['path']``) exist."""
+    cwd = spec.get("cwd", "/")
+    cwd_ok = os.path.isdir(cwd)
+    found = _resolve(spec.get("command", ""), cwd, spec.get("path")) if cwd_ok else None
+    print(json.dumps({"python": sys.executable, "helper": os.path.abspath(__file__),
+                      "cwd_ok": cwd_ok, "command": found}))
+    return 0
+
+
+class _Stop:
+    """Set once stdin ends or a terminating signal arrives."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+
+    def watch_stdin(self) -> None:
+        try:
+            while os.read(0, 4096):
+                pass
+        except OSError:
+            pass
+        self.event.set()
+
+    def on_signal(self, signum, frame) -> None:  # noqa: ARG002 - signal handler signature
+        self.event.set()
+
+
+def run(spec: dict) -> int:
+    """Run ``spec['argv']`` until it exits or the launcher says stop; return the status."""
+    argv: List[str] = spec["argv"]
+    env = spec["env"]
+    cwd = spec.get("cwd") or os.getcwd()
+    grace = float(spec.get("grace", 5.0))
+    if not os.path.isdir(cwd):
+        _say(f"working directory {cwd} does not exist on this host")
+        return 126
+    stop = _Stop()
+    for sig in _SIGNALS:
+        signal.signal(sig, stop.on_signal)
+    try:
+        child = subprocess.Popen(
+            argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, start_new_session=True,
+            preexec_fn=_die_with_parent(),
+        )
+    except FileNotFoundError:
+        _say(f"command not found: {argv[0]}")
+        return 127
+    except OSError as exc:
+        _say(f"cannot run {argv[0]}: {exc.strerror or exc}")
+        return 126
+    # Started after the fork so preexec_fn runs in a single-threaded process.
+    threading.Thread(target=stop.watch_stdin, daemon=True).start()
+    while child.poll() is None:
+        if stop.event.wait(0.1):
+            _kill_group(child.pid, signal.SIGTERM)
+            try:
+                child.wait(grace)
+            except subprocess.TimeoutExpired:
+                _kill_group(child.pid, signal.SIGKILL)
+                child.wait()
+            break
+    _kill_group(child.pid, signal.SIGKILL)  # whatever the command left in its group
+    code = child.returncode
+    return 128 - code if code < 0 else code
+
+
+def main() -> int:
+    line = sys.stdin.buffer.readline()
+    if not line:
+        _say("the launcher sent no job description")
+        return 126
+    try:
+        spec = json.loads(line)
+    except ValueError:
+        _say("the launcher sent a malformed job description")
+        return 126
+    if "probe" in spec:
+        return probe(spec["probe"])
+    return run(spec)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

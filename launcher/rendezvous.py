@@ -1,0 +1,179 @@
+"""The rendezvous store hosted by the launcher, and where to bind it.
+
+The store is a ``torch.distributed.TCPStore`` server listening on a socket the
+launcher binds itself, so it listens only on the chosen address (TCPStore alone
+would listen on every interface). Every key of the job lives under
+``hvdlike/<secret>/``, the prefix the ranks use.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import secrets
+import socket
+from functools import lru_cache
+from typing import Iterable, List, Optional, Tuple
+
+from hvdlike.core.bootstrap import local_address_towards
+
+from .errors import LaunchError
+
+
+def new_secret() -> str:
+    """An unguessable job secret (128 bits, hex)."""
+    return secrets.token_hex(16)
+
+
+def key_prefix(secret: str) -> str:
+    """The store prefix every key of the job lives under (same as the ranks')."""
+    return f"hvdlike/{secret}/"
+
+
+@lru_cache(maxsize=1)
+def _local_addresses() -> frozenset:
+    import psutil
+
+    found = set()
+    for addrs in psutil.net_if_addrs().values():
+        for entry in addrs:
+            if entry.family in (socket.AF_INET, socket.AF_INET6):
+                found.add(entry.address.split("%", 1)[0])
+    return frozenset(found)
+
+
+def _bare(host: str) -> str:
+    return host.rsplit("@", 1)[-1]
+
+
+def resolve(host: str) -> List[str]:
+    """IP addresses of ``host`` (IPv4 first).
+
+    Raises:
+        LaunchError: the name does not resolve.
+    """
+    name = _bare(host)
+    try:
+        infos = socket.getaddrinfo(name, None, proto=socket.IPPROTO_TCP)
+    except socket.gaierror as exc:
+        raise LaunchError(f"host {name!r} does not resolve: {exc.strerror}") from None
+    addrs = [info[4][0] for info in infos]
+    return sorted(set(addrs), key=lambda a: (":" in a, addrs.index(a)))
+
+
+def is_local(host: str) -> bool:
+    """Whether ``host`` is this machine (no ssh needed)."""
+    name = _bare(host)
+    if name in ("localhost", socket.gethostname(), socket.getfqdn()):
+        return True
+    try:
+        addrs = [name] if _is_ip(name) else resolve(name)
+    except LaunchError:
+        return False
+    return any(ipaddress.ip_address(a).is_loopback or a in _local_addresses() for a in addrs)
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+        return True
+    except ValueError:
+        return False
+
+
+def interface_address(interface: str) -> str:
+    """The IPv4 address of a network interface.
+
+    Raises:
+        LaunchError: no such interface, or it has no IPv4 address.
+    """
+    import psutil
+
+    interfaces = psutil.net_if_addrs()
+    if interface not in interfaces:
+        raise LaunchError(
+            f"--network-interface {interface!r} does not exist here "
+            f"(available: {', '.join(sorted(interfaces))})"
+        )
+    for entry in interfaces[interface]:
+        if entry.family == socket.AF_INET:
+            return entry.address
+    raise LaunchError(f"--network-interface {interface!r} has no IPv4 address")
+
+
+def choose_address(remote_hosts: Iterable[str], interface: str = "") -> str:
+    """The address the store binds to, reachable from every host.
+
+    Args:
+        remote_hosts: hosts reached over ssh (empty: a single-machine job).
+        interface: ``--network-interface``; wins when given.
+
+    Returns:
+        The interface's address; else ``127.0.0.1`` for a local job; else the
+        local address that routes to the first remote host.
+
+    Raises:
+        LaunchError: the interface is unknown or no route leads to the hosts.
+    """
+    if interface:
+        return interface_address(interface)
+    remote_hosts = list(remote_hosts)
+    if not remote_hosts:
+        return "127.0.0.1"
+    for host in remote_hosts:
+        for addr in resolve(host):
+            local = local_address_towards(addr, 22)
+            if local:
+                return local
+    raise LaunchError(
+        f"no local network address routes to {', '.join(remote_hosts)}; "
+        "pick one with --network-interface"
+    )
+
+
+class StoreServer:
+    """The job's TCPStore server, bound to one address; use as a context manager."""
+
+    def __init__(self, addr: str, world_size: int, secret: str, timeout_seconds: float = 60.0):
+        self.addr = addr
+        self.secret = secret
+        self._world_size = world_size
+        self._timeout = datetime.timedelta(seconds=timeout_seconds)
+        self._store = None
+        self.port = 0
+
+    def __enter__(self) -> "StoreServer":
+        import torch.distributed as dist
+
+        family = socket.AF_INET6 if ":" in self.addr else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((self.addr, 0))
+            sock.listen(512)
+        except OSError as exc:
+            sock.close()
+            raise LaunchError(f"cannot listen on {self.addr}: {exc.strerror or exc}") from None
+        self.port = sock.getsockname()[1]
+        try:
+            self._store = dist.TCPStore(
+                self.addr, self.port, self._world_size, True, timeout=self._timeout,
+                wait_for_workers=False, master_listen_fd=sock.fileno(),
+            )
+        except Exception as exc:  # torch raises RuntimeError or DistError subclasses
+            sock.close()
+            raise LaunchError(f"cannot start the rendezvous store on {self.addr}: {exc}") from None
+        sock.detach()  # the store owns the descriptor now and closes it itself
+        return self
+
+    def client(self):
+        """A ``PrefixStore`` on this server under the job's key prefix."""
+        import torch.distributed as dist
+
+        return dist.PrefixStore(key_prefix(self.secret), self._store)
+
+    def endpoint(self) -> Tuple[str, int]:
+        return self.addr, self.port
+
+    def __exit__(self, *exc_info) -> None:
+        self._store = None
