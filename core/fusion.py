@@ -8,6 +8,7 @@ batches are staged in, so steady state allocates nothing.
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Dict, List, Sequence, Tuple
 
@@ -16,6 +17,7 @@ import torch
 from .messages import Response
 
 
+@functools.lru_cache(maxsize=None)
 def element_size(dtype: str) -> int:
     return torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
@@ -38,6 +40,9 @@ def plan(responses: Sequence[Response], threshold_bytes: int) -> List[List[int]]
             batches.append([i])
             continue
         nbytes = response.numel * element_size(response.dtype)
+        if nbytes >= threshold_bytes:
+            batches.append([i])  # alone, and the open batch of its key stays open
+            continue
         current = open_batch.get(key)
         if current is not None and current[1] + nbytes <= threshold_bytes:
             batches[current[0]].append(i)

@@ -1,0 +1,176 @@
+"""Every collective, op and dtype on 2 and 4 real ranks, against local oracles."""
+
+import pytest
+import torch
+
+from tests.multiproc.harness import run_ranks
+
+FLOAT_DTYPES = ["float16", "bfloat16", "float32", "float64"]
+INT_DTYPES = ["int8", "int16", "int32", "int64", "uint8"]
+
+
+def _value(rank, dtype, n=5):
+    """Distinct small per-rank values that no dtype overflows on."""
+    base = torch.arange(n, dtype=torch.float64) % 2 + rank % 2 + 1 + (rank == 2)
+    return base.to(getattr(torch, dtype))
+
+
+def _allreduce_matrix(dtypes):
+    import hvdlike.torch as hvd
+
+    hvd.init()
+    results = {}
+    for dtype in dtypes:
+        for op_name in ["Sum", "Average", "Min", "Max", "Product"]:
+            op = getattr(hvd, op_name)
+            t = _value(hvd.rank(), dtype)
+            results[(dtype, op_name)] = hvd.allreduce(t, op=op, name=f"ar.{dtype}.{op_name}")
+    hvd.shutdown()
+    return results
+
+
+def _oracle(values, op_name):
+    stack = torch.stack([v.to(torch.float64) for v in values])
+    if op_name == "Sum":
+        return stack.sum(0)
+    if op_name == "Average":
+        return stack.sum(0) / len(values)
+    if op_name == "Min":
+        return stack.min(0).values
+    if op_name == "Max":
+        return stack.max(0).values
+    return stack.prod(0)
+
+
+@pytest.mark.parametrize("np", [2, 4])
+def test_allreduce_every_op_and_dtype(np):
+    dtypes = FLOAT_DTYPES + INT_DTYPES
+    results = run_ranks(_allreduce_matrix, np=np, args=(dtypes,))
+    for (dtype, op_name), got in results[0].items():
+        want = _oracle([_value(r, dtype) for r in range(np)], op_name)
+        if dtype in INT_DTYPES and op_name == "Average":
+            want = torch.trunc(want)
+        tol = 5e-2 if dtype in ("float16", "bfloat16") else 1e-6
+        assert got.dtype == getattr(torch, dtype), (dtype, op_name)
+        assert torch.allclose(got.to(torch.float64), want, rtol=tol, atol=tol), (dtype, op_name, got, want)
+        for other in results[1:]:
+            assert torch.equal(other[(dtype, op_name)], got), (dtype, op_name)
+
+
+def _bool_and_scaling():
+    import hvdlike.torch as hvd
+
+    hvd.init()
+    r = hvd.rank()
+    flags = torch.tensor([r == 0, True, False])
+    out = {
+        "any": hvd.allreduce(flags, op=hvd.Sum, name="b.any").tolist(),
+        "all": hvd.allreduce(flags, op=hvd.Min, name="b.all").tolist(),
+        "scaled": hvd.allreduce(torch.ones(4) * (r + 1), op=hvd.Sum, prescale_factor=2.0,
+                                postscale_factor=0.5, name="scaled").tolist(),
+        "avg_default": hvd.allreduce(torch.ones(2) * r).tolist(),
+        "deprecated_average": hvd.allreduce(torch.ones(2) * r, average=False).tolist(),
+    }
+    hvd.shutdown()
+    return out
+
+
+def test_bool_and_scaling():
+    res = run_ranks(_bool_and_scaling, np=2)
+    for out in res:
+        assert out["any"] == [True, True, False]
+        assert out["all"] == [False, True, False]
+        assert out["scaled"] == [3.0] * 4
+        assert out["avg_default"] == [0.5, 0.5]
+        assert out["deprecated_average"] == [1.0, 1.0]
+
+
+def _shapes_and_layouts():
+    import hvdlike.torch as hvd
+
+    hvd.init()
+    r = hvd.rank()
+    out = {}
+    out["empty"] = hvd.allreduce(torch.empty(0, 3), op=hvd.Sum, name="empty")
+    base = torch.arange(12.0).reshape(3, 4) * (r + 1)
+    nc = base.t()  # non-contiguous
+    out["noncontig"] = hvd.allreduce(nc, op=hvd.Sum, name="nc")
+    inplace = base.t()
+    hvd.allreduce_(inplace, op=hvd.Sum, name="nc_inplace")
+    out["noncontig_inplace"] = inplace
+    out["scalar"] = hvd.allreduce(torch.tensor(float(r)), op=hvd.Sum, name="scalar")
+    big = torch.ones(300) * (r + 1)
+    out["big"] = hvd.allreduce(big, op=hvd.Sum, name="big")  # larger than the 256-byte threshold
+    hvd.shutdown()
+    return out
+
+
+def test_empty_noncontiguous_and_oversized():
+    res = run_ranks(_shapes_and_layouts, np=2, env={"HVDLIKE_FUSION_THRESHOLD": "256"})
+    base = torch.arange(12.0).reshape(3, 4)
+    for out in res:
+        assert out["empty"].shape == (0, 3)
+        assert torch.equal(out["noncontig"], (base * 3).t())
+        assert torch.equal(out["noncontig_inplace"], (base * 3).t())
+        assert out["scalar"].item() == 1.0 and out["scalar"].dim() == 0
+        assert torch.equal(out["big"], torch.full((300,), 3.0))
+
+
+def _data_movement():
+    import hvdlike.torch as hvd
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    out = {}
+    for dtype in FLOAT_DTYPES + INT_DTYPES + ["bool"]:
+        t = torch.full((r + 1, 2), r % 2 if dtype == "bool" else r, dtype=getattr(torch, dtype))
+        out[("allgather", dtype)] = hvd.allgather(t, name=f"ag.{dtype}")
+        b = torch.full((3,), r + 1).to(getattr(torch, dtype))
+        out[("broadcast", dtype)] = hvd.broadcast(b, root_rank=n - 1, name=f"bc.{dtype}")
+    inplace = torch.full((2,), float(r))
+    hvd.broadcast_(inplace, root_rank=0)
+    out["broadcast_"] = inplace
+    # alltoall: rank r sends (i + 1) rows of value 10*r + i to rank i.
+    splits = [i + 1 for i in range(n)]
+    rows = torch.cat([torch.full((i + 1, 2), float(10 * r + i)) for i in range(n)])
+    out["alltoall"] = hvd.alltoall(rows, splits=splits, name="a2a")
+    out["alltoall_even"] = hvd.alltoall(torch.arange(float(n)) + 100 * r, name="a2a.even")
+    out["reducescatter"] = hvd.reducescatter(torch.arange(7.0) * (r + 1), op=hvd.Sum)
+    out["reducescatter_avg"] = hvd.reducescatter(torch.ones(n * 2, 3) * (r + 1))
+    out["grouped_allgather"] = hvd.grouped_allgather([torch.ones(1) * r, torch.ones(2, 2) * r])
+    out["grouped_reducescatter"] = hvd.grouped_reducescatter([torch.ones(n) * r], op=hvd.Sum)
+    out["object"] = hvd.broadcast_object({"from": r, "data": list(range(r + 1))}, root_rank=1)
+    out["objects"] = hvd.allgather_object(("rank", r, "x" * r))
+    hvd.barrier()
+    hvd.shutdown()
+    return out
+
+
+@pytest.mark.parametrize("np", [2, 4])
+def test_allgather_broadcast_alltoall_reducescatter(np):
+    res = run_ranks(_data_movement, np=np)
+    for me, out in enumerate(res):
+        for dtype in FLOAT_DTYPES + INT_DTYPES + ["bool"]:
+            dt = getattr(torch, dtype)
+            want = torch.cat([torch.full((r + 1, 2), r % 2 if dtype == "bool" else r, dtype=dt)
+                              for r in range(np)])
+            assert torch.equal(out[("allgather", dtype)], want), dtype
+            assert torch.equal(out[("broadcast", dtype)], torch.full((3,), np).to(dt)), dtype
+        assert torch.equal(out["broadcast_"], torch.zeros(2))
+        got, received = out["alltoall"]
+        want = torch.cat([torch.full((me + 1, 2), float(10 * r + me)) for r in range(np)])
+        assert torch.equal(got, want)
+        assert received.tolist() == [me + 1] * np
+        assert torch.equal(out["alltoall_even"], torch.tensor([100.0 * r + me for r in range(np)]))
+        total = torch.arange(7.0) * sum(r + 1 for r in range(np))
+        base, extra = divmod(7, np)
+        start = me * base + min(me, extra)
+        assert torch.equal(out["reducescatter"], total[start:start + base + (me < extra)])
+        avg = sum(r + 1 for r in range(np)) / np
+        assert torch.allclose(out["reducescatter_avg"], torch.full((2, 3), avg))
+        ga = out["grouped_allgather"]
+        assert torch.equal(ga[0], torch.arange(float(np)))
+        assert torch.equal(ga[1], torch.cat([torch.full((2, 2), float(r)) for r in range(np)]))
+        assert torch.equal(out["grouped_reducescatter"][0], torch.full((1,), float(sum(range(np)))))
+        assert out["object"] == {"from": 1, "data": [0, 1]}
+        assert out["objects"] == [("rank", r, "x" * r) for r in range(np)]

@@ -1,0 +1,55 @@
+import pytest
+
+from hvdlike.core import config
+from hvdlike.core.errors import ConfigError
+
+
+def test_defaults():
+    cfg = config.load({})
+    assert cfg.fusion_threshold == 128 * 1024 * 1024
+    assert cfg.cycle_time == 1.0
+    assert cfg.cache_capacity == 1024
+    assert cfg.log_level == "warning"
+
+
+def test_hvdlike_wins_over_horovod_fallback():
+    cfg = config.load({"HOROVOD_FUSION_THRESHOLD": "10", "HVDLIKE_FUSION_THRESHOLD": "20",
+                       "HOROVOD_CYCLE_TIME": "0.5", "HOROVOD_LOG_LEVEL": "INFO"})
+    assert cfg.fusion_threshold == 20
+    assert cfg.cycle_time == 0.5
+    assert cfg.log_level == "info"
+
+
+@pytest.mark.parametrize("var,value,expected", [
+    ("HVDLIKE_FUSION_THRESHOLD", "-1", "byte count"),
+    ("HVDLIKE_FUSION_THRESHOLD", "1.5", "byte count"),
+    ("HVDLIKE_CYCLE_TIME", "fast", "milliseconds"),
+    ("HVDLIKE_CACHE_CAPACITY", "-3", "integer"),
+    ("HVDLIKE_LOG_LEVEL", "loud", "one of trace"),
+    ("HVDLIKE_AUTOTUNE", "maybe", "boolean"),
+    ("HOROVOD_STALL_CHECK_TIME_SECONDS", "0", "seconds > 0"),
+])
+def test_bad_values_name_variable_value_and_expectation(var, value, expected):
+    with pytest.raises(ConfigError) as info:
+        config.load({var: value})
+    message = str(info.value)
+    assert var in message and repr(value) in message and expected in message
+
+
+def test_overrides_and_frozen():
+    cfg = config.load({"HVDLIKE_CYCLE_TIME": "5"}, cycle_time=0.0)
+    assert cfg.cycle_time == 0.0
+    with pytest.raises(Exception):
+        cfg.cycle_time = 3
+    with pytest.raises(ConfigError, match="unknown setting"):
+        config.load({}, no_such_knob=1)
+
+
+def test_every_knob_has_config_field_and_unique_flag():
+    fields = {f for f in config.Config.__dataclass_fields__}
+    flags = [k.flag for k in config.KNOBS if k.flag]
+    assert len(flags) == len(set(flags))
+    for knob in config.KNOBS:
+        assert knob.field in fields
+        assert getattr(config.Config(), knob.field) == knob.default
+    assert "HVDLIKE_FUSION_THRESHOLD" in config.load({}).describe()

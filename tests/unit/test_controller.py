@@ -1,0 +1,113 @@
+"""The negotiation cycle on threads with an in-memory control plane (no processes)."""
+
+import random
+import threading
+
+from hvdlike.core.controller import Controller
+from hvdlike.core.handles import Handle
+from hvdlike.core.messages import OpType, Request
+from hvdlike.core.tensor_queue import Entry
+
+
+class Exchange:
+    """In-memory collectives for ``size`` threads, each call a rendezvous."""
+
+    def __init__(self, size):
+        self.size = size
+        self.barrier = threading.Barrier(size, timeout=10)
+        self.slots = [None] * size
+        self.calls = {"allreduce": 0, "gather": 0, "broadcast": 0}
+
+    def _all(self, rank, value):
+        self.slots[rank] = value
+        self.barrier.wait()
+        values = list(self.slots)
+        self.barrier.wait()
+        return values
+
+
+class FakeControl:
+    def __init__(self, exchange, rank):
+        self.ex, self.rank, self.size = exchange, rank, exchange.size
+
+    def allreduce_sum(self, values):
+        if self.rank == 0:
+            self.ex.calls["allreduce"] += 1
+        return [sum(col) for col in zip(*self.ex._all(self.rank, list(values)))]
+
+    def gather(self, payload):
+        if self.rank == 0:
+            self.ex.calls["gather"] += 1
+        values = self.ex._all(self.rank, payload)
+        return values if self.rank == 0 else None
+
+    def broadcast(self, payload):
+        return self.ex._all(self.rank, payload)[0]
+
+
+def _entry(name, rank, n=4):
+    req = Request(name=name, op=OpType.ALLREDUCE, dtype="float32", shape=(n,), rank=rank)
+    return Entry(req, None, None, Handle(name))
+
+
+def _run(size, per_rank_batches, capacity=16, cycles=6):
+    ex = Exchange(size)
+    orders = [None] * size
+
+    def body(rank):
+        ctl = Controller(FakeControl(ex, rank), capacity)
+        seen = []
+        for c in range(cycles):
+            batch = per_rank_batches(rank, c)
+            result = ctl.cycle([_entry(n, rank) for n in batch])
+            seen.extend(resp.name for resp, _ in result.work)
+        orders[rank] = seen
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    return orders, ex
+
+
+def test_every_rank_gets_the_same_order_despite_different_submission_orders():
+    names = [f"n{i}" for i in range(30)]
+
+    def batches(rank, cycle):
+        if cycle == 0:
+            own = names[:]
+            random.Random(rank).shuffle(own)
+            return own[: 10 + 5 * rank]
+        if cycle == 1:
+            own = names[:]
+            random.Random(rank).shuffle(own)
+            return own[10 + 5 * rank:]
+        return []
+
+    orders, _ = _run(3, batches)
+    assert sorted(orders[0]) == sorted(names)
+    assert orders[0] == orders[1] == orders[2]
+
+
+def test_steady_state_uses_only_the_bit_vector():
+    def batches(rank, cycle):
+        return ["a", "b", "c"] if cycle % 2 == 0 else []
+
+    orders, ex = _run(2, batches, cycles=8)
+    assert orders[0] == orders[1] == ["a", "b", "c"] * 4
+    assert ex.calls["allreduce"] == 8
+    assert ex.calls["gather"] == 1  # only the first time the names are seen
+
+
+def test_lru_eviction_renegotiates_waiting_entry():
+    # capacity 2 with 3 names: entries waiting on an evicted slot must be
+    # renegotiated, never lost and never matched against the wrong name.
+    def batches(rank, cycle):
+        if cycle in (0, 2, 4):
+            return ["x", "y", "z"] if rank == 0 else ["z", "y", "x"]
+        return []
+
+    orders, _ = _run(2, batches, capacity=2, cycles=8)
+    assert orders[0] == orders[1]
+    assert sorted(orders[0]) == sorted(["x", "y", "z"] * 3)
