@@ -1,0 +1,59 @@
+"""Authenticated pickles for ``hvdlike.run``: the function going out, results coming back.
+
+Unpickling runs code, so nothing is unpickled unless it carries an HMAC-SHA256
+under the job secret. The MAC covers a purpose label (``payload``, or
+``result/<rank>``) as well as the bytes, so a result cannot pose as the payload
+or as another rank's result, and a blob sealed for one job (one secret) is
+refused by every other job. Blobs live in the job's store under the job prefix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from typing import Any
+
+PAYLOAD_KEY = "launcher/run/payload"
+VERSION = b"hvdlike.run/1"
+
+
+class PayloadError(Exception):
+    """A blob failed authentication or is malformed: it was not unpickled."""
+
+
+def result_key(rank: int) -> str:
+    return f"launcher/run/result/{rank}"
+
+
+def _mac(secret: str, purpose: str, data: bytes) -> bytes:
+    message = VERSION + b"\0" + purpose.encode() + b"\0" + data
+    return hmac.new(secret.encode(), message, hashlib.sha256).digest()
+
+
+def seal(secret: str, purpose: str, obj: Any) -> bytes:
+    """Pickle ``obj`` with cloudpickle and prefix the MAC (32 bytes)."""
+    import cloudpickle
+
+    if not secret:
+        raise PayloadError("no job secret: cannot authenticate the payload")
+    data = cloudpickle.dumps(obj)
+    return _mac(secret, purpose, data) + data
+
+
+def unseal(secret: str, purpose: str, blob: bytes) -> Any:
+    """Verify and unpickle a blob made by :func:`seal`.
+
+    Raises:
+        PayloadError: missing secret, truncated blob, or a MAC that does not match
+            (forged, altered, sealed for another job or another purpose).
+    """
+    import pickle
+
+    if not secret:
+        raise PayloadError("no job secret: refusing to unpickle an unauthenticated payload")
+    if len(blob) < 32:
+        raise PayloadError(f"{purpose}: truncated blob ({len(blob)} bytes)")
+    mac, data = blob[:32], blob[32:]
+    if not hmac.compare_digest(mac, _mac(secret, purpose, data)):
+        raise PayloadError(f"{purpose}: authentication failed; refusing to unpickle it")
+    return pickle.loads(data)

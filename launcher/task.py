@@ -1,0 +1,77 @@
+"""The rank side of ``hvdlike.run``: ``python -m hvdlike.launcher.task``.
+
+Reads the sealed ``(fn, args, kwargs)`` from the job's store, refuses it unless
+its HMAC matches the job secret, runs it, and stores the sealed outcome under
+this rank's result key. Exit status 0 when ``fn`` returned, 1 when it raised
+(the caller gets the exception), 3 when the payload was refused.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import traceback
+
+from hvdlike.core.bootstrap import (
+    ENV_JOB_SECRET, ENV_RANK, ENV_SIZE, ENV_STORE_ADDR, ENV_STORE_PORT,
+)
+
+from .payload import PAYLOAD_KEY, PayloadError, result_key, seal, unseal
+from .rendezvous import key_prefix
+
+REFUSED = 3
+
+
+def _store(timeout_seconds: float):
+    import torch.distributed as dist
+
+    store = dist.TCPStore(
+        os.environ[ENV_STORE_ADDR], int(os.environ[ENV_STORE_PORT]),
+        int(os.environ[ENV_SIZE]), False,
+        timeout=datetime.timedelta(seconds=timeout_seconds),
+    )
+    return dist.PrefixStore(key_prefix(os.environ[ENV_JOB_SECRET]), store)
+
+
+def _outcome(fn, args, kwargs):
+    try:
+        return {"ok": True, "value": fn(*args, **(kwargs or {}))}
+    except BaseException as exc:  # noqa: BLE001 - every failure goes back to the caller
+        outcome = {"ok": False, "type": type(exc).__name__, "message": str(exc),
+                   "traceback": traceback.format_exc()}
+        try:
+            import cloudpickle
+
+            cloudpickle.dumps(exc)
+            outcome["exception"] = exc
+        except Exception:  # unpicklable exceptions travel as text only
+            pass
+        return outcome
+
+
+def main() -> int:
+    secret = os.environ.get(ENV_JOB_SECRET, "")
+    rank = int(os.environ.get(ENV_RANK, "0"))
+    from hvdlike.core import config
+
+    store = _store(config.load(os.environ).start_timeout)
+    try:
+        fn, args, kwargs = unseal(secret, "payload", store.get(PAYLOAD_KEY))
+    except PayloadError as exc:
+        sys.stderr.write(f"hvdlike.run: rank {rank} refused its payload: {exc}\n")
+        return REFUSED
+    outcome = _outcome(fn, args, kwargs)
+    try:
+        blob = seal(secret, f"result/{rank}", outcome)
+    except Exception as exc:  # the return value cannot be pickled
+        outcome = {"ok": False, "type": type(exc).__name__,
+                   "message": f"the return value of rank {rank} cannot be pickled: {exc}",
+                   "traceback": ""}
+        blob = seal(secret, f"result/{rank}", outcome)
+    store.set(result_key(rank), blob)
+    return 0 if outcome["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
