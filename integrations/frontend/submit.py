@@ -1,0 +1,128 @@
+"""Submitting entries and waiting for them, the same way for every front end.
+
+Results are converted to the front end's array type by each entry's
+``finish`` hook, on the runtime's completion thread, so a handle already holds
+the final value: :func:`synchronize` and :func:`poll` need not know which
+front end created it, and one front end's ``synchronize`` accepts another's
+handles.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Dict, List, Optional, Tuple
+
+from hvdlike.core import api
+from hvdlike.core import collectives as core
+from hvdlike.core.errors import DuplicateNameError
+from hvdlike.core.handles import Handle
+from hvdlike.core.process_sets import global_process_set, resolve
+
+# (process set id, name) -> (front end, handle) for every collective in flight,
+# so a name clash can say which front end holds the name.
+_owners: Dict[Tuple[int, str], Tuple[str, Handle]] = {}
+_owners_lock = threading.Lock()
+
+
+class GroupHandle:
+    """Handle of a grouped collective: completes when every member has."""
+
+    def __init__(self, handles: List[Handle]):
+        self.handles = handles
+
+    def __repr__(self) -> str:
+        return f"<hvdlike GroupHandle of {len(self.handles)}>"
+
+    def done(self) -> bool:
+        return all(h.done() for h in self.handles)
+
+
+def poll(handle) -> bool:
+    """True when the collective behind ``handle`` has completed (never blocks)."""
+    if isinstance(handle, (Handle, GroupHandle)):
+        return handle.done()
+    raise TypeError(f"poll expects a handle returned by an *_async call, got {type(handle).__name__}")
+
+
+def synchronize(handle, timeout: Optional[float] = None):
+    """Wait for ``handle`` and return its result (a list for grouped handles).
+
+    Raises the collective's error on this rank: ``MismatchError`` when ranks
+    disagreed, ``HvdlikeInternalError`` when the job broke, ``TimeoutError``
+    after ``timeout`` seconds.
+    """
+    runtime = api.runtime()
+    if isinstance(handle, GroupHandle):
+        return [runtime.wait(h, timeout) for h in handle.handles]
+    if isinstance(handle, Handle):
+        return runtime.wait(handle, timeout)
+    raise TypeError(
+        f"synchronize expects a handle returned by an *_async call, got {type(handle).__name__}")
+
+
+def name_for(name: Optional[str], op: str) -> str:
+    """``name`` checked, or the next automatic name for ``op`` (same on every rank)."""
+    if name is None:
+        return api.runtime().auto_name(op)
+    if not isinstance(name, str):
+        raise TypeError(f"{op}: name must be a str, got {type(name).__name__}")
+    return name
+
+
+def set_size(process_set) -> int:
+    """Number of ranks in ``process_set`` (this rank must be a member)."""
+    return api.runtime().process_set(resolve(process_set)).size
+
+
+def _forget(key):
+    def callback(handle: Handle) -> None:
+        with _owners_lock:
+            if _owners.get(key, (None, None))[1] is handle:
+                del _owners[key]
+    return callback
+
+
+def submit(entries, process_set, frontend: str) -> List[Handle]:
+    """Hand ``entries`` to the runtime on behalf of ``frontend``; return their handles.
+
+    Raises:
+        DuplicateNameError: a name is already in flight; the message names the
+            front end that submitted it first.
+    """
+    set_id = resolve(process_set)
+    try:
+        handles = api.runtime().submit(entries, set_id)
+    except DuplicateNameError as exc:
+        names = [e.request.name for e in entries]
+        with _owners_lock:
+            holders = {n: _owners[(set_id, n)][0] for n in names if (set_id, n) in _owners}
+        clash = next(iter(holders), names[0])
+        holder = holders.get(clash, "an earlier call")
+        what = entries[0].request.op.name.lower()
+        raise DuplicateNameError(
+            f"{frontend}.{what}: the name {clash!r} is already used by a collective still in "
+            f"flight, submitted through {holder}; synchronize that handle first or pick "
+            f"another name (names are shared by all front ends)") from exc
+    with _owners_lock:
+        for entry, handle in zip(entries, handles):
+            _owners[(set_id, entry.request.name)] = (frontend, handle)
+    for entry, handle in zip(entries, handles):
+        handle.add_done_callback(_forget((set_id, entry.request.name)))
+    return handles
+
+
+def barrier(process_set=global_process_set) -> None:
+    """Block until every rank of ``process_set`` reaches the barrier."""
+    entry = core.barrier_entry(name_for(None, "barrier"))
+    synchronize(submit([entry], process_set, "hvdlike")[0])
+
+
+def join(device=-1) -> int:
+    """Declare that this rank has no more data; return the last rank to join.
+
+    Until every rank has joined, this rank takes part in the other ranks'
+    allreduces with zeros, so they keep training without hanging.
+    ``device`` is accepted for Horovod compatibility.
+    """
+    entry = core.join_entry(name_for(None, "join"))
+    return synchronize(submit([entry], global_process_set, "hvdlike")[0])
