@@ -16,8 +16,8 @@ from hvdlike.core.mpi_bootstrap import topologies
 
 from .errors import LaunchError
 
-# A host name, an IPv4 address, or a bracketed IPv6 address.
-_HOST = r"(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.\-]+)"
+# [user@] then a host name, an IPv4 address, or a bracketed IPv6 address.
+_HOST = r"(?:[A-Za-z0-9_.\-]+@)?(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.\-]+)"
 _HOST_SPEC = re.compile(rf"^({_HOST})(?::(\S*))?$")
 
 

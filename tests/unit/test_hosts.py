@@ -1,0 +1,97 @@
+"""Host parsing, hostfiles and rank assignment (pure functions)."""
+
+import pytest
+
+from hvdlike.launcher.errors import LaunchError
+from hvdlike.launcher.hosts import HostSlots, assign_ranks, parse_hostfile, parse_hosts
+
+
+def test_parse_hosts_with_and_without_slots():
+    assert parse_hosts("a:4,b") == [HostSlots("a", 4), HostSlots("b", 1)]
+
+
+def test_parse_hosts_ip_user_and_ipv6():
+    assert parse_hosts("10.0.0.1:2, user@h2:3,[fe80::1]:2") == [
+        HostSlots("10.0.0.1", 2), HostSlots("user@h2", 3), HostSlots("fe80::1", 2)]
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("", "empty"),
+    ("a:0", "positive integer"),
+    ("a:-1", "positive integer"),
+    ("a:x", "positive integer"),
+    ("a:", "positive integer"),
+    ("a,,b", "not valid"),
+    ("a b:2", "not valid"),
+    ("a:2:3", "positive integer"),
+    ("a:1,a:2", "twice"),
+])
+def test_parse_hosts_rejects(text, needle):
+    with pytest.raises(LaunchError, match=needle) as info:
+        parse_hosts(text)
+    assert "\n" not in str(info.value)
+
+
+def test_hostfile_comments_blank_lines_and_forms():
+    text = """
+    # cluster
+    node1 slots=4   # big one
+    node2
+
+    node3:2
+    node4 slots=2 max_slots=8
+    """
+    assert parse_hostfile(text) == [HostSlots("node1", 4), HostSlots("node2", 1),
+                                    HostSlots("node3", 2), HostSlots("node4", 2)]
+
+
+@pytest.mark.parametrize("text, line", [
+    ("node1 slots=4\nnode2 slots=zero\n", 2),
+    ("node1 cores=4\n", 1),
+    ("node1 slots=0\n", 1),
+    ("# x\n\n@@@ slots=1\n", 3),
+])
+def test_hostfile_errors_name_the_line(text, line):
+    with pytest.raises(LaunchError, match=f"line {line}"):
+        parse_hostfile(text, "hosts.txt")
+
+
+def test_empty_hostfile_is_an_error():
+    with pytest.raises(LaunchError, match="no hosts"):
+        parse_hostfile("# nothing\n\n")
+
+
+def _layout(hosts, np):
+    return [(p.host, p.topology.local_rank, p.topology.local_size,
+             p.topology.cross_rank, p.topology.cross_size) for p in assign_ranks(hosts, np)]
+
+
+def test_assign_fills_hosts_in_order():
+    placements = assign_ranks([HostSlots("a", 2), HostSlots("b", 2)], 4)
+    assert [p.rank for p in placements] == [0, 1, 2, 3]
+    assert _layout([HostSlots("a", 2), HostSlots("b", 2)], 4) == [
+        ("a", 0, 2, 0, 2), ("a", 1, 2, 0, 2), ("b", 0, 2, 1, 2), ("b", 1, 2, 1, 2)]
+    assert all(p.topology.size == 4 for p in placements)
+
+
+def test_assign_uneven_hosts_cross_ranks_follow_horovod():
+    # a has 3 ranks, b 1: local rank 0 exists on both hosts, 1 and 2 only on a.
+    assert _layout([HostSlots("a", 3), HostSlots("b", 2)], 4) == [
+        ("a", 0, 3, 0, 2), ("a", 1, 3, 0, 1), ("a", 2, 3, 0, 1), ("b", 0, 1, 1, 2)]
+
+
+def test_assign_partial_fill_and_default_np():
+    assert [p.host for p in assign_ranks([HostSlots("a", 2), HostSlots("b", 2)], 3)] == [
+        "a", "a", "b"]
+    assert len(assign_ranks([HostSlots("a", 2), HostSlots("b", 3)], None)) == 5
+
+
+def test_assign_single_rank_per_host():
+    assert _layout([HostSlots("a", 1), HostSlots("b", 1), HostSlots("c", 1)], 3) == [
+        ("a", 0, 1, 0, 3), ("b", 0, 1, 1, 3), ("c", 0, 1, 2, 3)]
+
+
+@pytest.mark.parametrize("np, needle", [(0, "at least 1"), (-2, "at least 1"), (5, "more than the 4")])
+def test_assign_rejects_bad_np(np, needle):
+    with pytest.raises(LaunchError, match=needle):
+        assign_ranks([HostSlots("a", 2), HostSlots("b", 2)], np)

@@ -1,0 +1,117 @@
+"""Command-line parsing: flags to LaunchConfig, knob flags from the core's table."""
+
+import pytest
+
+from hvdlike.core import config as core_config
+from hvdlike.launcher import cli
+from hvdlike.launcher.errors import LaunchError
+from hvdlike.launcher.hosts import HostSlots
+
+
+def _config(*argv):
+    return cli.to_config(cli.build_parser().parse_args(list(argv)))
+
+
+def test_defaults_to_localhost_np_slots():
+    config = _config("-np", "3", "python", "train.py", "--lr", "0.1")
+    assert config.hosts == [HostSlots("localhost", 3)]
+    assert config.np == 3
+    assert config.command == ["python", "train.py", "--lr", "0.1"]
+
+
+def test_command_options_are_not_taken_by_the_launcher():
+    config = _config("-np", "2", "python", "train.py", "-np", "9", "--verbose")
+    assert config.np == 2 and not config.verbose
+    assert config.command == ["python", "train.py", "-np", "9", "--verbose"]
+
+
+def test_double_dash_separates_the_command():
+    assert _config("-np", "1", "--", "python", "x.py").command == ["python", "x.py"]
+
+
+def test_hosts_ssh_and_interface_flags():
+    config = _config("-H", "a:2,b:2", "-p", "2222", "-i", "/k", "--ssh-option", "LogLevel=ERROR",
+                     "--network-interface", "eth1", "--verbose", "python", "x.py")
+    assert config.hosts == [HostSlots("a", 2), HostSlots("b", 2)]
+    assert config.np is None
+    assert (config.ssh.port, config.ssh.identity_file, config.ssh.options) == (
+        2222, "/k", ["LogLevel=ERROR"])
+    assert config.network_interface == "eth1" and config.verbose
+
+
+def test_hostfile(tmp_path):
+    path = tmp_path / "hosts"
+    path.write_text("h1 slots=2\nh2 slots=1\n")
+    assert _config("--hostfile", str(path), "python").hosts == [HostSlots("h1", 2), HostSlots("h2", 1)]
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["-H", "a", "--hostfile", "f", "python"], "cannot be used together"),
+    (["python"], "-np is required"),
+    (["--hostfile", "/nonexistent/hosts", "python"], "cannot read hostfile"),
+    (["-np", "2", "--ssh-option", "novalue", "python"], "KEY=VALUE"),
+    (["-np", "2", "--fusion-threshold-mb", "lots", "python"], "--fusion-threshold-mb"),
+    (["-np", "2", "--cycle-time-ms", "-1", "python"], "--cycle-time-ms"),
+    (["-np", "2", "--log-level", "chatty", "python"], "--log-level"),
+])
+def test_bad_values_raise_one_line(argv, needle):
+    with pytest.raises(LaunchError, match=needle) as info:
+        _config(*argv)
+    assert "\n" not in str(info.value)
+
+
+def test_every_knob_with_a_flag_is_a_launcher_flag():
+    parser = cli.build_parser()
+    flags = {opt for action in parser._actions for opt in action.option_strings}
+    for knob in core_config.KNOBS:
+        if knob.flag:
+            assert knob.flag in flags
+
+
+def test_knob_flags_become_variables():
+    config = _config("-np", "2", "--fusion-threshold-mb", "64", "--cycle-time-ms", "2.5",
+                     "--autotune", "--log-level", "info", "--timeline-filename", "/tmp/t.json",
+                     "python")
+    env = config.knob_env
+    assert env["HVDLIKE_FUSION_THRESHOLD"] == str(64 * 1024 * 1024)
+    assert env["HVDLIKE_CYCLE_TIME"] == "2.5"
+    assert env["HVDLIKE_AUTOTUNE"] == "1"
+    assert env["HVDLIKE_LOG_LEVEL"] == "info"
+    assert env["HVDLIKE_TIMELINE"] == "/tmp/t.json"
+    assert "HVDLIKE_CACHE_CAPACITY" not in env
+    assert core_config.load(env).fusion_threshold == 64 * 1024 * 1024
+
+
+def test_start_timeout_flag_drives_the_launcher_too():
+    config = _config("-np", "1", "--start-timeout", "7", "python")
+    assert config.start_timeout == 7.0
+    assert config.ssh.connect_timeout == 7.0
+    assert config.knob_env["HVDLIKE_START_TIMEOUT"] == "7"
+
+
+def test_bad_knob_in_environment_is_reported_by_name(monkeypatch):
+    monkeypatch.setenv("HVDLIKE_CYCLE_TIME", "fast")
+    with pytest.raises(LaunchError, match="HVDLIKE_CYCLE_TIME"):
+        _config("-np", "1", "python")
+
+
+@pytest.mark.parametrize("argv", [["--bogus", "-np", "2", "python"], ["-np", "two", "python"]])
+def test_parser_errors_are_one_line_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.build_parser().parse_args(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "hvdlike-run: error:" in err
+
+
+def test_main_reports_launch_errors_in_one_line(capsys):
+    assert cli.main(["-np", "0", "python"]) == 2
+    err = capsys.readouterr().err
+    assert err == "hvdlike-run: error: -np 0 is not valid: expected at least 1 process\n"
+
+
+def test_help_is_the_manual(capsys):
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["--help"])
+    out = capsys.readouterr().out
+    assert "--fusion-threshold-mb" in out and "HVDLIKE_FUSION_THRESHOLD" in out
