@@ -109,8 +109,12 @@ class Controller:
 
         n = self.cache.num_slots
         vec = [0] * (2 * n + NUM_FLAGS)
+        # A joined rank is already counted by FLAG_JOINED; its ready bits weigh
+        # size + 1 so the sum still tells how many *active* ranks are ready
+        # (total % (size + 1)) without counting the joined rank twice.
+        weight = self.size + 1 if self._joined else 1
         for slot in self._cached:
-            vec[slot] = 1
+            vec[slot] = weight
         for slot in invalid:
             vec[n + slot] = 1
         vec[2 * n + FLAG_UNCACHED] = 1 if self._to_send else 0
@@ -127,8 +131,8 @@ class Controller:
                 self._evict(slot)
         joined = flags[FLAG_JOINED]
         for slot in range(n):
-            count = total[slot]
-            if count and count + joined >= self.size and not total[n + slot]:
+            count = total[slot] % (self.size + 1)
+            if total[slot] and count + joined >= self.size and not total[n + slot]:
                 response = self.cache.response(slot)
                 self.cache.touch(slot)
                 result.work.append((response, self._cached.pop(slot, None)))
