@@ -79,7 +79,7 @@ class ArrayOps:
 
     def _tensor(self, value, what: str, writable: bool = False) -> torch.Tensor:
         tensor = self.adapter.to_torch(value, what, writable)
-        allowed = core.REDUCIBLE if what in _REDUCING else core.MOVABLE
+        allowed = core.REDUCIBLE if what.rstrip("_") in _REDUCING else core.MOVABLE
         if tensor.dtype not in allowed:
             names = ", ".join(sorted(core.dtype_name(d) for d in allowed))
             raise TypeError(f"{self.frontend}.{what}: cannot handle {type(value).__name__} of "
@@ -127,20 +127,21 @@ class ArrayOps:
 
     def _allreduce_entries(self, values, name, op, prescale_factor, postscale_factor,
                            inplace, grouped):
-        what = "grouped_allreduce" if grouped else "allreduce"
+        what = base = "grouped_allreduce" if grouped else "allreduce"
         op = self._check_op(op, what)
         if inplace:
-            self._check_inplace(what + "_")
+            what += "_"
+            self._check_inplace(what)
         items = self._list(values, what) if grouped else [values]
         tensors = [self._tensor(v, what, inplace) for v in items]
         kwargs = dict(op=op, prescale_factor=prescale_factor, postscale_factor=postscale_factor,
                       inplace=inplace)
         if grouped:
             entries = self._build(what, lambda: core.grouped(
-                core.allreduce_entry, tensors, name_for(name, what), what, **kwargs))
+                core.allreduce_entry, tensors, name_for(name, base), what, **kwargs))
         else:
             entries = [self._build(what, lambda: core.allreduce_entry(
-                tensors[0], name_for(name, what), **kwargs))]
+                tensors[0], name_for(name, base), **kwargs))]
         return [self._convert(e, v, inplace) for e, v in zip(entries, items)]
 
     def allreduce_async(self, tensor, name: Optional[str] = None, op=Average,
@@ -240,7 +241,7 @@ class ArrayOps:
         what = "broadcast_" if inplace else "broadcast"
         if inplace:
             self._check_inplace(what)
-        t = self._tensor(tensor, "broadcast", inplace)
+        t = self._tensor(tensor, what, inplace)
         entry = self._build(what, lambda: core.broadcast_entry(
             t, root_rank, set_size(process_set), name_for(name, "broadcast"), inplace=inplace))
         return self._submit([self._convert(entry, tensor, inplace)], process_set)[0]

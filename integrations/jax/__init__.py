@@ -1,0 +1,1 @@
+"""hvdlike.jax (in progress)."""

@@ -1,0 +1,1 @@
+"""hvdlike.keras (in progress)."""
