@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import atexit
 import threading
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 from . import process_sets as ps
 from .errors import HvdlikeError, NotInitializedError
@@ -29,7 +29,8 @@ def runtime() -> Runtime:
     return current
 
 
-def init(comm=None, process_sets: Optional[Sequence[ps.ProcessSet]] = None, **settings) -> None:
+def init(comm=None, process_sets: Optional[Union[Sequence[ps.ProcessSet], str]] = None,
+         **settings) -> None:
     """Start hvdlike in this process.
 
     Reads the rank layout from whatever launched the process (``hvdlike-run``,
@@ -42,7 +43,9 @@ def init(comm=None, process_sets: Optional[Sequence[ps.ProcessSet]] = None, **se
         comm: accepted for Horovod compatibility; a list of ranks is not
             supported (use process sets), anything else is ignored.
         process_sets: extra :class:`ProcessSet` objects to register, the same
-            list in the same order on every rank.
+            list in the same order on every rank (checked: a difference raises
+            on every rank); or ``"dynamic"`` to allow ``add_process_set`` and
+            ``remove_process_set`` later (like ``HVDLIKE_DYNAMIC_PROCESS_SETS=1``).
         **settings: knob overrides by config field name (e.g.
             ``fusion_threshold=0``); they win over the environment.
 
@@ -64,17 +67,18 @@ def init(comm=None, process_sets: Optional[Sequence[ps.ProcessSet]] = None, **se
             return
         if _runtime is not None:
             _runtime.shutdown()
-        _runtime = Runtime.start(**settings)
-        try:
-            for index, pset in enumerate(process_sets or (), start=1):
-                if not isinstance(pset, ps.ProcessSet):
-                    raise TypeError(f"process_sets[{index - 1}] must be a ProcessSet, "
-                                    f"got {type(pset).__name__}")
-                _runtime.register_process_set(pset)
-        except BaseException:
-            _runtime.shutdown()
             _runtime = None
-            raise
+        if isinstance(process_sets, str):
+            if process_sets != "dynamic":
+                raise ValueError(f"init: process_sets must be a list of ProcessSet or "
+                                 f"'dynamic', got {process_sets!r}")
+            settings.setdefault("dynamic_process_sets", True)
+            process_sets = None
+        elif process_sets is not None and not isinstance(process_sets, (list, tuple)):
+            raise TypeError(f"init: process_sets must be a list of ProcessSet or 'dynamic', "
+                            f"got {type(process_sets).__name__}")
+        _runtime = Runtime.start(process_sets=process_sets or (), **settings)
+        ps.global_process_set.ranks = list(range(_runtime.topology.size))
         if not _atexit_registered:
             atexit.register(shutdown)
             _atexit_registered = True

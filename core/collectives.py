@@ -13,7 +13,6 @@ from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 
-from .errors import HvdlikeError
 from .handles import Handle
 from .messages import OpType, ReduceOp, Request
 from .tensor_queue import Entry
@@ -78,8 +77,9 @@ def allreduce_entry(tensor, name: str, op=ReduceOp.AVERAGE, prescale_factor=1.0,
                     postscale_factor=1.0, inplace=False, group="", group_size=0) -> Entry:
     tensor = check_tensor(tensor, "allreduce", REDUCIBLE)
     reduce_op = check_op(op, "allreduce")
-    if reduce_op == ReduceOp.ADASUM:
-        raise HvdlikeError("allreduce: op Adasum is handled by the front end, not the core")
+    if reduce_op == ReduceOp.ADASUM and not tensor.is_floating_point():
+        raise TypeError(f"allreduce: op Adasum needs a floating-point tensor, got "
+                        f"{dtype_name(tensor.dtype)}")
     finish = None
     if inplace and tensor.is_contiguous():
         output = tensor

@@ -18,6 +18,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence
 from . import bootstrap, config as config_mod
 from .controller import Controller
 from .errors import HvdlikeInternalError, NotInitializedError
+from .messages import OpType
 from .executor import Executor
 from .handles import Handle
 from .log import configure as configure_logging, logger
@@ -68,13 +69,20 @@ class Runtime:
         self._name_counters: Dict[str, int] = {}
         self._name_lock = threading.Lock()
         self._next_set_id = 1
+        # Every registered set, member or not (copy-on-write, like process_sets).
+        self.set_ranks: Dict[int, List[int]] = {}
+        self.set_change_lock = threading.RLock()  # one add/remove at a time per process
+        self._set_changes: Dict[str, Callable[[], None]] = {}
+        self._set_changes_lock = threading.Lock()
+        self._set_change_count = 0
         self.store = None
 
     # -- life cycle --------------------------------------------------------------
 
     @classmethod
-    def start(cls, environ: Optional[Mapping[str, str]] = None, **overrides) -> "Runtime":
-        """Bootstrap from ``environ`` and start the background thread."""
+    def start(cls, environ: Optional[Mapping[str, str]] = None, process_sets=(),
+              **overrides) -> "Runtime":
+        """Bootstrap from ``environ``, register ``process_sets``, start the background thread."""
         global _generation
         environ = os.environ if environ is None else environ
         cfg = config_mod.load(environ, **overrides)
@@ -99,6 +107,18 @@ class Runtime:
             raise HvdlikeInternalError(
                 f"rank {topology.rank} could not connect to the other {topology.size - 1} "
                 f"rank(s) (Gloo on {local_addr or 'default interface'}): {exc}") from None
+        try:
+            # Static sets are live from the first cycle on every rank: registered
+            # before the background thread starts cycling.
+            from .process_sets import register_static
+
+            register_static(runtime, list(process_sets or ()))
+        except BaseException:
+            for state in runtime.process_sets.values():
+                state.close()
+            if getattr(runtime, "health", None) is not None:
+                runtime.health.close(clean=True)
+            raise
         if topology.rank == 0:
             logger.info("hvdlike started: %d rank(s), launcher %s, settings:\n%s",
                         topology.size, rendezvous.launcher, cfg.describe())
@@ -108,28 +128,98 @@ class Runtime:
         return runtime
 
     def add_process_set(self, set_id: int, ranks: Sequence[int]) -> Optional[ProcessSetState]:
-        """Create the groups of a process set; a no-op (None) on non-member ranks."""
+        """Build and install a process set (only before the background thread runs)."""
+        state = self.build_process_set(set_id, ranks)
+        self.install_process_set(set_id, ranks, state)
+        return state
+
+    def build_process_set(self, set_id: int, ranks: Sequence[int]) -> Optional[ProcessSetState]:
+        """Create the groups of a process set; a no-op (None) on non-member ranks.
+
+        Blocks until every member has called it (the groups rendezvous).
+        """
         ranks = list(ranks)
         if self.topology.rank not in ranks:
             return None
         state = ProcessSetState(set_id, ranks, self.topology.rank, self.store, self.config,
                                 self.local_addr, self._complete, self._set_fatal)
-        self.process_sets[set_id] = state
         return state
 
-    def register_process_set(self, pset) -> int:
-        """Give ``pset`` the next id and build its groups on member ranks."""
+    def install_process_set(self, set_id: int, ranks: Sequence[int],
+                            state: Optional[ProcessSetState]) -> None:
+        """Make a built set live: before the thread starts, or on it between cycles.
+
+        The tables are replaced, never mutated, so the background thread and
+        submitting threads always read a consistent table without a lock.
+        """
+        self.set_ranks = {**self.set_ranks, set_id: list(ranks)}
+        if state is not None:
+            self.process_sets = {**self.process_sets, set_id: state}
+
+    def uninstall_process_set(self, set_id: int) -> None:
+        """Retire a set on the background thread: fail what is pending, free its groups."""
+        self.set_ranks = {k: v for k, v in self.set_ranks.items() if k != set_id}
+        state = self.process_sets.get(set_id)
+        if state is None:
+            return
+        self.process_sets = {k: v for k, v in self.process_sets.items() if k != set_id}
+        reason = HvdlikeInternalError(
+            f"process set {set_id} was removed before this collective completed")
+        state.executor.finisher.close(self.config.gloo_timeout_seconds)
+        for entry in state.controller.pending_entries() + state.queue.drain():
+            self._complete(entry, None, reason)
+        state.groups.close()
+        state.executor.pool.clear()
+
+    def next_set_id(self) -> int:
         with self._name_lock:
             set_id = self._next_set_id
             self._next_set_id += 1
-        size = self.topology.size
-        bad = [r for r in pset.ranks if not 0 <= r < size]
-        if bad or not pset.ranks:
-            raise ValueError(f"process set ranks {pset.ranks} must be a non-empty subset of "
-                             f"0..{size - 1}")
-        self.add_process_set(set_id, pset.ranks)
-        pset.process_set_id = set_id
         return set_id
+
+    def next_set_change(self) -> int:
+        """Serial number of an add/remove call (the same on every rank)."""
+        with self._name_lock:
+            self._set_change_count += 1
+            return self._set_change_count
+
+    def change_process_sets(self, name: str, change: Callable[[], None]) -> None:
+        """Run ``change`` on the background thread in the same cycle on every rank.
+
+        Submits a barrier named ``name`` on the global set; the cycle whose
+        responses include it ends by running ``change``, so every member starts
+        (or stops) cycling a set in the same cycle.
+        """
+        from .collectives import barrier_entry
+
+        applied = threading.Event()
+        errors: List[BaseException] = []
+
+        def apply() -> None:
+            try:
+                change()
+            except BaseException as exc:
+                errors.append(exc)
+            finally:
+                applied.set()
+
+        with self._set_changes_lock:
+            self._set_changes = {**self._set_changes, name: apply}
+        self.wait(self.submit([barrier_entry(name)], 0)[0])
+        while not applied.wait(0.05):
+            error = self.alive_error()
+            if error is not None:
+                raise HvdlikeInternalError(f"process set change {name!r} failed: {error}")
+        if errors:
+            raise errors[0]
+
+    def _take_set_changes(self, work) -> List[Callable[[], None]]:
+        with self._set_changes_lock:
+            changes = dict(self._set_changes)
+            taken = [changes.pop(response.name) for response, _ in work
+                     if response.name in changes]
+            self._set_changes = changes
+        return taken
 
     def shutdown(self, timeout: Optional[float] = None) -> None:
         """Stop negotiating (every rank stops), fail what is pending, free everything."""
@@ -155,19 +245,29 @@ class Runtime:
 
     # -- submission --------------------------------------------------------------
 
-    def auto_name(self, op: str) -> str:
-        """Names for unnamed collectives: per-op counters agree across ranks."""
+    def auto_name(self, op: str, set_id: int = 0) -> str:
+        """Names for unnamed collectives: per-(set, op) counters agree across members."""
+        key = op if set_id == 0 else f"{op}.ps{set_id}"
         with self._name_lock:
-            n = self._name_counters.get(op, 0)
-            self._name_counters[op] = n + 1
-        return f"{op}.noname.{n}"
+            n = self._name_counters.get(key, 0)
+            self._name_counters[key] = n + 1
+        return f"{key}.noname.{n}"
 
     def process_set(self, set_id: int) -> ProcessSetState:
+        """The state of a set this rank belongs to.
+
+        Raises:
+            ValueError: the set is not registered, or this rank is not a member.
+        """
         state = self.process_sets.get(set_id)
         if state is None:
+            ranks = self.set_ranks.get(set_id)
+            if ranks is None:
+                raise ValueError(f"process set {set_id} is not registered (never added, or "
+                                 f"removed)")
             raise ValueError(
                 f"rank {self.topology.rank} is not a member of process set {set_id} "
-                f"(or the set does not exist)")
+                f"(ranks {ranks}); only its members may call collectives on it")
         return state
 
     def submit(self, entries: List[Entry], set_id: int = 0) -> List[Handle]:
@@ -178,6 +278,8 @@ class Runtime:
                 f"cannot submit {entries[0].request.name!r}: "
                 f"{error or 'hvdlike is shutting down'}")
         state = self.process_set(set_id)
+        if set_id != 0:
+            self._to_set_roots(entries, state)
         now = time.monotonic()
         for entry in entries:
             entry.enqueued_at = now
@@ -185,6 +287,18 @@ class Runtime:
             entry.request = dataclasses.replace(entry.request, rank=state.rank)
         state.queue.put(entries)
         return [entry.handle for entry in entries]
+
+    @staticmethod
+    def _to_set_roots(entries: List[Entry], state: ProcessSetState) -> None:
+        """Broadcast roots are global ranks (as in Horovod); a set negotiates in its own."""
+        for entry in entries:
+            request = entry.request
+            if request.op == OpType.BROADCAST:
+                if request.root not in state.ranks:
+                    raise ValueError(
+                        f"broadcast: root_rank {request.root} is not a member of process set "
+                        f"{state.id} (ranks {state.ranks}); root_rank is a global rank")
+                entry.request = dataclasses.replace(request, root=state.ranks.index(request.root))
 
     def wait(self, handle: Handle, timeout: Optional[float] = None):
         return handle.wait(self.alive_error, timeout)
@@ -228,13 +342,27 @@ class Runtime:
             self._teardown()
 
     def _cycle_all(self) -> bool:
-        """One cycle over every process set; True once the job shuts down."""
-        for set_id in sorted(self.process_sets):
-            state = self.process_sets[set_id]
-            result = state.controller.cycle(state.queue.drain(), shutdown=self._stopping)
+        """One cycle over every process set; True once the job shuts down.
+
+        Sets are cycled in id order on every rank, so their blocking control
+        collectives cannot wait on each other in a circle. Only the global set
+        carries the shutdown flag: every rank cycles it first, so all ranks stop
+        in the same cycle (a subset's flag would strand the ranks outside it).
+        """
+        states = self.process_sets  # replaced, never mutated, while this thread runs
+        changes = None
+        for set_id in sorted(states):
+            state = states[set_id]
+            result = state.controller.cycle(state.queue.drain(),
+                                            shutdown=self._stopping and set_id == 0)
             if result.shutdown:
                 return True
+            if set_id == 0 and self._set_changes:
+                changes = self._take_set_changes(result.work)
             state.executor.execute(result.work)
+        if changes:
+            for apply in changes:
+                apply()
         return False
 
     def _teardown(self) -> None:

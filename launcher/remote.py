@@ -78,11 +78,12 @@ def probe(spec: dict) -> int:
     return 0
 
 
-class _Stop:
-    """Set once stdin ends or a terminating signal arrives."""
+class _Events:
+    """Wakes the helper when the command exits, stdin ends, or a signal arrives."""
 
     def __init__(self) -> None:
-        self.event = threading.Event()
+        self.wake = threading.Event()
+        self.stop = False
 
     def watch_stdin(self) -> None:
         try:
@@ -90,10 +91,16 @@ class _Stop:
                 pass
         except OSError:
             pass
-        self.event.set()
+        self.stop = True
+        self.wake.set()
+
+    def watch_child(self, child: subprocess.Popen) -> None:
+        child.wait()
+        self.wake.set()
 
     def on_signal(self, signum, frame) -> None:  # noqa: ARG002 - signal handler signature
-        self.event.set()
+        self.stop = True
+        self.wake.set()
 
 
 def run(spec: dict) -> int:
@@ -105,9 +112,9 @@ def run(spec: dict) -> int:
     if not os.path.isdir(cwd):
         _say(f"working directory {cwd} does not exist on this host")
         return 126
-    stop = _Stop()
+    events = _Events()
     for sig in _SIGNALS:
-        signal.signal(sig, stop.on_signal)
+        signal.signal(sig, events.on_signal)
     try:
         child = subprocess.Popen(
             argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, start_new_session=True,
@@ -119,10 +126,12 @@ def run(spec: dict) -> int:
     except OSError as exc:
         _say(f"cannot run {argv[0]}: {exc.strerror or exc}")
         return 126
-    # Started after the fork so preexec_fn runs in a single-threaded process.
-    threading.Thread(target=stop.watch_stdin, daemon=True).start()
+    # Threads start after the fork so preexec_fn runs in a single-threaded process.
+    threading.Thread(target=events.watch_stdin, daemon=True).start()
+    threading.Thread(target=events.watch_child, args=(child,), daemon=True).start()
     while child.poll() is None:
-        if stop.event.wait(0.1):
+        events.wake.wait(1.0)  # a timeout keeps signal handlers running promptly
+        if events.stop and child.poll() is None:
             _kill_group(child.pid, signal.SIGTERM)
             try:
                 child.wait(grace)

@@ -55,9 +55,11 @@ def _submit(entries, process_set):
     return runtime.submit(entries, resolve(process_set))
 
 
-def _name(name: Optional[str], op: str) -> str:
+def _name(name: Optional[str], op: str, process_set=global_process_set) -> str:
     if name is None:
-        return api.runtime().auto_name(op)
+        # Counted per process set: members of one set must agree on the names
+        # whatever the ranks outside it do.
+        return api.runtime().auto_name(op, resolve(process_set))
     if not isinstance(name, str):
         raise TypeError(f"{op}: name must be a str, got {type(name).__name__}")
     return name
@@ -92,16 +94,12 @@ def _allreduce_entries(tensors, name, inplace, op, prescale_factor, postscale_fa
                        process_set, grouped):
     what = "grouped_allreduce" if grouped else "allreduce"
     reduce_op = core.check_op(op, what)
-    if reduce_op == Adasum:
-        from . import adasum
-
-        return adasum.entries(tensors, name, inplace, prescale_factor, postscale_factor,
-                              process_set, grouped)
     kwargs = dict(op=reduce_op, prescale_factor=prescale_factor,
                   postscale_factor=postscale_factor, inplace=inplace)
     if grouped:
-        return core.grouped(core.allreduce_entry, tensors, _name(name, what), what, **kwargs)
-    return [core.allreduce_entry(tensors, _name(name, what), **kwargs)]
+        return core.grouped(core.allreduce_entry, tensors, _name(name, what, process_set), what,
+                            **kwargs)
+    return [core.allreduce_entry(tensors, _name(name, what, process_set), **kwargs)]
 
 
 def _set_size(process_set) -> int:
@@ -190,7 +188,7 @@ def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_facto
 
 def allgather_async(tensor, name=None, process_set=global_process_set) -> Handle:
     """Start gathering ``tensor`` from every rank along dimension 0."""
-    entry = core.allgather_entry(tensor, _name(name, "allgather"))
+    entry = core.allgather_entry(tensor, _name(name, "allgather", process_set))
     return _submit([entry], process_set)[0]
 
 
@@ -200,7 +198,8 @@ def allgather(tensor, name=None, process_set=global_process_set):
 
 
 def grouped_allgather_async(tensors, name=None, process_set=global_process_set) -> GroupHandle:
-    entries = core.grouped(core.allgather_entry, tensors, _name(name, "grouped_allgather"),
+    entries = core.grouped(core.allgather_entry, tensors,
+                           _name(name, "grouped_allgather", process_set),
                            "grouped_allgather")
     return GroupHandle(_submit(entries, process_set))
 
@@ -213,8 +212,9 @@ def grouped_allgather(tensors, name=None, process_set=global_process_set) -> Lis
 
 
 def _broadcast_async(tensor, root_rank, name, process_set, inplace) -> Handle:
-    entry = core.broadcast_entry(tensor, root_rank, _set_size(process_set),
-                                 _name(name, "broadcast"), inplace=inplace)
+    # root_rank is a global rank, as in Horovod; the runtime maps it into the set.
+    entry = core.broadcast_entry(tensor, root_rank, api.size(),
+                                 _name(name, "broadcast", process_set), inplace=inplace)
     return _submit([entry], process_set)[0]
 
 
@@ -242,7 +242,8 @@ def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
 
 def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set) -> Handle:
     """Start an alltoall; ``splits[i]`` rows of ``tensor`` go to rank ``i``."""
-    entry = core.alltoall_entry(tensor, splits, _set_size(process_set), _name(name, "alltoall"))
+    entry = core.alltoall_entry(tensor, splits, _set_size(process_set),
+                                _name(name, "alltoall", process_set))
     if splits is None:
         entry.finish = lambda result: result[0]
     return _submit([entry], process_set)[0]
@@ -264,7 +265,7 @@ def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
 def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set,
                         prescale_factor=1.0, postscale_factor=1.0) -> Handle:
     """Start a reducescatter: reduce across ranks, keep this rank's slice of dim 0."""
-    entry = core.reducescatter_entry(tensor, _name(name, "reducescatter"), op,
+    entry = core.reducescatter_entry(tensor, _name(name, "reducescatter", process_set), op,
                                      prescale_factor, postscale_factor)
     return _submit([entry], process_set)[0]
 
@@ -284,7 +285,8 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
 def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set,
                                 prescale_factor=1.0, postscale_factor=1.0) -> GroupHandle:
     entries = core.grouped(core.reducescatter_entry, tensors,
-                           _name(name, "grouped_reducescatter"), "grouped_reducescatter", op=op,
+                           _name(name, "grouped_reducescatter", process_set),
+                           "grouped_reducescatter", op=op,
                            prescale_factor=prescale_factor, postscale_factor=postscale_factor)
     return GroupHandle(_submit(entries, process_set))
 
@@ -303,7 +305,7 @@ def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=A
 
 def barrier(process_set=global_process_set) -> None:
     """Block until every rank of ``process_set`` reaches the barrier."""
-    entry = core.barrier_entry(_name(None, "barrier"))
+    entry = core.barrier_entry(_name(None, "barrier", process_set))
     synchronize(_submit([entry], process_set)[0])
 
 

@@ -1,0 +1,115 @@
+"""hvdlike-run when things go wrong: failing ranks, killed ranks, Ctrl-C, no orphans."""
+
+import os
+import signal
+import time
+
+import psutil
+
+from .conftest import finish, kill_session, marker, run, start, wait_until_gone  # noqa: F401
+
+# Ranks loop over real collectives until told otherwise; each writes ready.<rank>
+# (with its pid) once its first collective succeeded.
+TRAINING = """
+    import os, sys, time
+    import torch
+    torch.set_num_threads(1)
+    import hvdlike.torch as hvd
+
+    hvd.init()
+    here = os.path.dirname(os.path.abspath(__file__))
+    step = 0
+    while True:
+        hvd.allreduce(torch.ones(4), name=f"step{step}")
+        if step == 0:
+            with open(os.path.join(here, f"ready.{hvd.rank()}"), "w") as f:
+                f.write(str(os.getpid()))
+        step += 1
+        time.sleep(0.05)
+"""
+
+
+def _wait_ready(folder, ranks, timeout=60):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all((folder / f"ready.{r}").exists() for r in range(ranks)):
+            return [int((folder / f"ready.{r}").read_text() or 0) for r in range(ranks)]
+        time.sleep(0.1)
+    raise AssertionError(f"ranks not ready within {timeout}s")
+
+
+def test_rank_exiting_non_zero_stops_the_others(marker):
+    script = marker / "job.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "if os.environ['HVDLIKE_RANK'] == '1':\n"
+        "    time.sleep(0.5)\n"
+        "    print('bad input in shard 1', file=sys.stderr)\n"
+        "    sys.exit(3)\n"
+        "time.sleep(120)\n"
+    )
+    code, out, err, seconds = run(["-np", "3", "--grace-period-seconds", "2", "python", str(script)])
+    assert code == 3
+    assert seconds < 30
+    assert "job failed: rank 1 on host localhost exited with code 3" in err
+    assert "bad input in shard 1" in err.split("job failed:", 1)[1]  # stderr tail in the summary
+    assert "Traceback" not in err
+
+
+def test_rank_killed_by_sigkill_ends_the_job(marker):
+    (marker / "job.py").write_text(__import__("textwrap").dedent(TRAINING))
+    proc = start(["-np", "3", "--grace-period-seconds", "2", "python", str(marker / "job.py")])
+    try:
+        pids = _wait_ready(marker, 3)
+        os.kill(pids[1], signal.SIGKILL)
+        code, out, err = finish(proc, timeout=45)
+    finally:
+        kill_session(proc.pid)
+    assert code == 128 + signal.SIGKILL, err
+    assert "rank 1 on host localhost was killed by signal 9 (SIGKILL)" in err
+
+
+def test_ctrl_c_stops_every_rank(marker):
+    (marker / "job.py").write_text(__import__("textwrap").dedent(TRAINING))
+    proc = start(["-np", "2", "python", str(marker / "job.py")])
+    try:
+        pids = _wait_ready(marker, 2)
+        proc.send_signal(signal.SIGINT)
+        began = time.monotonic()
+        code, out, err = finish(proc, timeout=30)
+    finally:
+        kill_session(proc.pid)
+    assert code == 130, err
+    assert time.monotonic() - began < 15
+    assert "received SIGINT; stopping 2 other rank(s)" in err
+    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+
+
+def test_rank_ignoring_sigterm_is_killed_after_the_grace_period(marker):
+    script = marker / "stubborn.py"
+    script.write_text(
+        "import os, signal, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "open(os.path.join(os.path.dirname(__file__), 'ready.' + os.environ['HVDLIKE_RANK']), 'w').close()\n"
+        "time.sleep(120)\n"
+    )
+    proc = start(["-np", "2", "--grace-period-seconds", "1", "python", str(script)])
+    try:
+        _wait_ready(marker, 2)
+        proc.send_signal(signal.SIGTERM)
+        code, out, err = finish(proc, timeout=30)
+    finally:
+        kill_session(proc.pid)
+    assert code == 128 + signal.SIGTERM, err
+
+
+def test_launcher_killed_outright_leaves_nothing_behind(marker):
+    (marker / "job.py").write_text(__import__("textwrap").dedent(TRAINING))
+    proc = start(["-np", "2", "python", str(marker / "job.py")])
+    try:
+        _wait_ready(marker, 2)
+        proc.kill()
+        proc.communicate(timeout=10)
+        assert not wait_until_gone(str(marker), timeout=15)
+    finally:
+        kill_session(proc.pid)

@@ -1,0 +1,82 @@
+"""hvdlike-run on localhost: a real job with collectives, output handling, dry run."""
+
+import os
+
+from .conftest import marker, run, write_script  # noqa: F401 - fixture
+
+ALLREDUCE = """
+    import sys
+    import torch
+    torch.set_num_threads(1)
+    import hvdlike.torch as hvd
+
+    hvd.init()
+    total = hvd.allreduce(torch.tensor([float(hvd.rank() + 1)]), op=hvd.Sum)
+    print(f"rank={hvd.rank()} size={hvd.size()} local={hvd.local_rank()}/{hvd.local_size()} "
+          f"cross={hvd.cross_rank()}/{hvd.cross_size()} sum={total.item():g}")
+    print(f"note from {hvd.rank()}", file=sys.stderr)
+    hvd.shutdown()
+"""
+
+
+def test_two_ranks_allreduce_with_prefixed_separate_streams(marker):
+    script = write_script(marker, "job.py", ALLREDUCE)
+    code, out, err, seconds = run(["-np", "2", "python", script], timeout=90)
+    assert code == 0, err
+    for rank in (0, 1):
+        assert f"[{rank}]<stdout>:rank={rank} size=2 local={rank}/2 cross=0/1 sum=3" in out
+        assert f"[{rank}]<stderr>:note from {rank}" in err
+        assert f"note from {rank}" not in out
+        assert f"rank={rank}" not in err
+
+
+def test_output_filename_writes_one_log_per_rank(marker):
+    script = write_script(marker, "job.py", """
+        import os, sys
+        print("out", os.environ["HVDLIKE_RANK"])
+        print("err", os.environ["HVDLIKE_RANK"], file=sys.stderr)
+    """)
+    logs = marker / "logs"
+    code, out, err, _ = run(["-np", "2", "--output-filename", str(logs), "python", script])
+    assert code == 0, err
+    for rank in (0, 1):
+        assert (logs / f"rank.{rank}" / "stdout").read_text() == f"out {rank}\n"
+        assert (logs / f"rank.{rank}" / "stderr").read_text() == f"err {rank}\n"
+
+
+def test_knob_flags_and_environment_reach_ranks(marker):
+    script = write_script(marker, "job.py", """
+        import os
+        keys = ["HVDLIKE_CYCLE_TIME", "HVDLIKE_FUSION_THRESHOLD", "MY_VAR", "HVDLIKE_STORE_ADDR"]
+        print(" ".join(os.environ.get(k, "-") for k in keys), os.getcwd())
+    """)
+    env = dict(os.environ, MY_VAR="kept value")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")]))
+    code, out, err, _ = run(["-np", "1", "--cycle-time-ms", "3", "--fusion-threshold-mb", "1",
+                             "python", script], cwd=str(marker), env=env)
+    assert code == 0, err
+    assert f"[0]<stdout>:3 1048576 kept value 127.0.0.1 {marker}" in out
+
+
+def test_dry_run_starts_nothing_and_hides_the_secret(marker):
+    script = write_script(marker, "never.py", "open('ran', 'w').close()\n")
+    code, out, err, _ = run(["-np", "2", "--dry-run", "python", script], cwd=str(marker))
+    assert code == 0, err
+    assert "rank 1 on localhost" in out and "HVDLIKE_JOB_SECRET=<hidden>" in out
+    assert not (marker / "ran").exists()
+
+
+def test_verbose_shows_commands_but_not_the_secret(marker):
+    script = write_script(marker, "job.py", "import os; print(os.environ['HVDLIKE_JOB_SECRET'])\n")
+    code, out, err, _ = run(["-np", "1", "--verbose", "python", script])
+    assert code == 0, err
+    secret = out.split("[0]<stdout>:", 1)[1].split()[0]
+    assert len(secret) >= 32
+    assert "launcher" in err and "remote.py" in err
+    assert secret not in err
+
+
+def test_check_build(marker):
+    code, out, err, _ = run(["--check-build"])
+    assert code == 0, err
+    assert "[X] PyTorch" in out and "[X] Gloo" in out
