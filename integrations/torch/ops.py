@@ -41,6 +41,10 @@ class GroupHandle:
     def done(self) -> bool:
         return all(h.done() for h in self.handles)
 
+    def result(self, results: List[Any]) -> Any:
+        """What :func:`synchronize` returns, given each member's result."""
+        return results
+
 
 def _reduce_op(average: Optional[bool], op: Any, what: str) -> ReduceOp:
     if average is not None:
@@ -80,7 +84,7 @@ def synchronize(handle, timeout: Optional[float] = None):
     """
     runtime = api.runtime()
     if isinstance(handle, GroupHandle):
-        return [runtime.wait(h, timeout) for h in handle.handles]
+        return handle.result([runtime.wait(h, timeout) for h in handle.handles])
     if isinstance(handle, Handle):
         return runtime.wait(handle, timeout)
     raise TypeError(

@@ -1,0 +1,213 @@
+"""Differentiable collectives: ``hvd.allreduce`` & co. inside a model.
+
+When the input requires grad (and grad mode is on), the synchronous forms
+exported by ``hvdlike.torch`` run through the :class:`torch.autograd.Function`
+classes here. Their backward passes give the gradient of the **sum of every
+rank's loss**, exactly what autograd would compute if all ranks' graphs were
+one graph. That is the convention that composes with ``DistributedOptimizer``
+(which averages parameter gradients, turning the sum into the mean), and the
+one ``torch.nn.SyncBatchNorm`` uses.
+
+========================  =====================================================
+forward                   backward (``g`` = grad of the output on each rank)
+========================  =====================================================
+allreduce Sum / Average   allreduce of ``g`` with the same op and scale factors
+allreduce Min / Max       ``sum(g)`` to the ranks holding the extreme value,
+                          shared equally between ties
+allgather                 this rank's rows of ``sum(g)``
+broadcast                 ``sum(g)`` on the root, zeros elsewhere
+alltoall                  alltoall of ``g`` with the received splits
+reducescatter             allgather of ``g`` (divided by size for Average)
+========================  =====================================================
+
+Backward collectives are named ``<forward name>.grad`` when the forward had a
+name; unnamed ones are numbered in call order, which agrees across ranks as
+long as every rank runs the same backward.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from hvdlike.core.process_sets import global_process_set
+
+from . import ops
+from .compression import Compression
+
+
+def _grad_name(name: Optional[str]) -> Optional[str]:
+    return None if name is None else f"{name}.grad"
+
+
+def _wants_grad(tensor) -> bool:
+    return isinstance(tensor, torch.Tensor) and tensor.requires_grad and torch.is_grad_enabled()
+
+
+class _Allreduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, name, op, prescale, postscale, process_set, compression):
+        ctx.args = (name, op, prescale, postscale, process_set, compression)
+        out = ops.allreduce(tensor.detach(), name=name, compression=compression, op=op,
+                            prescale_factor=prescale, postscale_factor=postscale,
+                            process_set=process_set)
+        if op in (ops.Min, ops.Max):
+            ctx.save_for_backward(tensor.detach(), out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        name, op, prescale, postscale, process_set, compression = ctx.args
+        gname = _grad_name(name)
+        if op in (ops.Sum, ops.Average):
+            g = ops.allreduce(grad.contiguous(), name=gname, compression=compression, op=op,
+                              prescale_factor=prescale, postscale_factor=postscale,
+                              process_set=process_set)
+        elif op in (ops.Min, ops.Max):
+            tensor, out = ctx.saved_tensors
+            mask = (tensor == out).to(grad.dtype)
+            ties = ops.allreduce(mask, name=None if gname is None else f"{gname}.ties",
+                                 op=ops.Sum, process_set=process_set)
+            total = ops.allreduce(grad.contiguous(), name=gname, op=ops.Sum,
+                                  process_set=process_set)
+            g = mask * total / ties.clamp_min(1)
+        else:
+            raise RuntimeError(f"allreduce with op {ops.ReduceOp(op).name.title()} is not "
+                               "differentiable")
+        return g, None, None, None, None, None, None
+
+
+class _Allgather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, name, process_set):
+        ctx.args = (name, process_set, tuple(tensor.shape))
+        return ops.allgather(tensor.detach(), name=name, process_set=process_set)
+
+    @staticmethod
+    def backward(ctx, grad):
+        name, process_set, shape = ctx.args
+        gname = _grad_name(name)
+        rows = shape[0] if shape else 1
+        total = ops.allreduce(grad.contiguous(), name=gname, op=ops.Sum, process_set=process_set)
+        counts = ops.allgather(torch.tensor([rows], dtype=torch.int64),
+                               name=None if gname is None else f"{gname}.rows",
+                               process_set=process_set)
+        me = process_set.rank()
+        start = int(counts[:me].sum().item())
+        return total[start:start + rows].reshape(shape), None, None
+
+
+class _Broadcast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, root_rank, name, process_set):
+        ctx.args = (root_rank, name, process_set)
+        return ops.broadcast(tensor.detach(), root_rank, name=name, process_set=process_set)
+
+    @staticmethod
+    def backward(ctx, grad):
+        root_rank, name, process_set = ctx.args
+        total = ops.allreduce(grad.contiguous(), name=_grad_name(name), op=ops.Sum,
+                              process_set=process_set)
+        if process_set.rank() != root_rank:
+            total = torch.zeros_like(total)
+        return total, None, None, None
+
+
+class _Alltoall(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, splits, name, process_set):
+        out, received = ops.alltoall(tensor.detach(), splits=splits, name=name,
+                                     process_set=process_set)
+        ctx.args = (received, name, process_set)
+        ctx.mark_non_differentiable(received)
+        return out, received
+
+    @staticmethod
+    def backward(ctx, grad, _):
+        received, name, process_set = ctx.args
+        g, _ = ops.alltoall(grad.contiguous(), splits=received, name=_grad_name(name),
+                            process_set=process_set)
+        return g, None, None, None
+
+
+class _Reducescatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, name, op, process_set, prescale, postscale, compression):
+        ctx.args = (name, op, process_set, prescale, postscale)
+        return ops.reducescatter(tensor.detach(), name=name, compression=compression, op=op,
+                                 process_set=process_set, prescale_factor=prescale,
+                                 postscale_factor=postscale)
+
+    @staticmethod
+    def backward(ctx, grad):
+        name, op, process_set, prescale, postscale = ctx.args
+        g = ops.allgather(grad.contiguous(), name=_grad_name(name), process_set=process_set)
+        factor = prescale * postscale
+        if ops.ReduceOp(op) == ops.Average:
+            factor /= process_set.size()
+        if factor != 1.0:
+            g = g * factor
+        return g, None, None, None, None, None, None
+
+
+# -- the synchronous forms hvdlike.torch exports -------------------------------------
+
+
+def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
+              prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
+    """Reduce ``tensor`` across ranks (default op Average); differentiable.
+
+    Example:
+        >>> total = hvd.allreduce(torch.ones(3), op=hvd.Sum)   # == size() * ones
+    """
+    if not _wants_grad(tensor):
+        return ops.allreduce(tensor, average, name, compression, op, prescale_factor,
+                             postscale_factor, process_set)
+    reduce_op = ops._reduce_op(average, op, "allreduce")
+    return _Allreduce.apply(tensor, name, ops.ReduceOp(reduce_op), prescale_factor,
+                            postscale_factor, process_set, compression)
+
+
+def allgather(tensor, name=None, process_set=global_process_set):
+    """Concatenate every rank's ``tensor`` along dimension 0; differentiable."""
+    if not _wants_grad(tensor):
+        return ops.allgather(tensor, name, process_set)
+    return _Allgather.apply(tensor, name, process_set)
+
+
+def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
+    """Return ``root_rank``'s ``tensor`` on every rank; differentiable."""
+    if not _wants_grad(tensor):
+        return ops.broadcast(tensor, root_rank, name, process_set)
+    return _Broadcast.apply(tensor, root_rank, name, process_set)
+
+
+def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
+    """Exchange slices of ``tensor`` between ranks; differentiable.
+
+    Returns the received tensor, or ``(received, received_splits)`` when
+    ``splits`` is given (see :func:`hvdlike.torch.ops.alltoall`).
+    """
+    if not _wants_grad(tensor):
+        return ops.alltoall(tensor, splits, name, process_set)
+    explicit = splits
+    if splits is None:
+        n = process_set.size()
+        if tensor.dim() == 0 or tensor.shape[0] % n:
+            return ops.alltoall(tensor, None, name, process_set)  # raises the usual error
+        # Explicit even splits make the forward report what it received,
+        # which the backward needs to send gradients back.
+        explicit = [tensor.shape[0] // n] * n
+    out, received = _Alltoall.apply(tensor, explicit, name, process_set)
+    return out if splits is None else (out, received)
+
+
+def reducescatter(tensor, name=None, compression=Compression.none, op=ops.Average,
+                  process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
+    """Reduce across ranks and keep this rank's part of dimension 0; differentiable."""
+    if not _wants_grad(tensor):
+        return ops.reducescatter(tensor, name, compression, op, process_set, prescale_factor,
+                                 postscale_factor)
+    return _Reducescatter.apply(tensor, name, op, process_set, prescale_factor,
+                                postscale_factor, compression)

@@ -1,0 +1,172 @@
+"""Start every rank from the same model and optimizer state.
+
+Names of the broadcasts come from parameter names and positions in the
+optimizer's state, never from values, so every rank submits the same names
+whatever it holds; a rank whose model has a different layout gets a clear
+mismatch error instead of a hang.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Tuple
+
+import torch
+
+from hvdlike.core.process_sets import global_process_set
+
+from . import ops
+from .objects import broadcast_object
+
+
+def _named_tensors(params, what: str) -> List[Tuple[str, torch.Tensor]]:
+    if isinstance(params, dict):
+        items = list(params.items())
+    elif isinstance(params, (str, bytes)) or not hasattr(params, "__iter__"):
+        raise TypeError(f"{what} expects a state_dict or (name, tensor) pairs such as "
+                        f"model.named_parameters(), got {type(params).__name__}")
+    else:
+        items = list(params)
+    out, seen = [], set()
+    for i, item in enumerate(items):
+        if not (isinstance(item, tuple) and len(item) == 2):
+            raise TypeError(f"{what}: item {i} is not a (name, tensor) pair: {item!r:.80}")
+        name, tensor = item
+        if tensor is None:
+            continue
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{what}: {name!r} is a {type(tensor).__name__}, not a tensor")
+        key = str(name)
+        if key in seen:
+            raise ValueError(f"{what}: the name {key!r} appears twice")
+        seen.add(key)
+        out.append((key, tensor))
+    return out
+
+
+def broadcast_parameters(params, root_rank: int = 0, process_set=global_process_set) -> None:
+    """Overwrite ``params`` on every rank with ``root_rank``'s values, in place.
+
+    Args:
+        params: ``model.state_dict()`` or ``model.named_parameters()`` (any
+            iterable of ``(name, tensor)``); names must match across ranks.
+        root_rank: the rank whose values win.
+        process_set: broadcast within this process set only.
+
+    Raises:
+        TypeError: ``params`` is not a mapping or pairs of names and tensors.
+        ValueError: a name appears twice.
+
+    Example:
+        >>> hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    """
+    handles = []
+    for name, tensor in _named_tensors(params, "broadcast_parameters"):
+        # detach(): the data plane writes the storage; autograd must not see it.
+        handles.append(ops.broadcast_async_(tensor.detach(), root_rank,
+                                            name=f"broadcast_parameters.{name}",
+                                            process_set=process_set))
+    for handle in handles:
+        ops.synchronize(handle)
+
+
+class _TensorSlot:
+    """Stands in for a state tensor in the structure sent with broadcast_object."""
+
+    __slots__ = ("index", "shape", "dtype")
+
+    def __init__(self, index: int, shape, dtype):
+        self.index, self.shape, self.dtype = index, tuple(shape), dtype
+
+    def __reduce__(self):
+        return (_TensorSlot, (self.index, self.shape, self.dtype))
+
+
+def _strip(value: Any, tensors: List[torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        tensors.append(value)
+        return _TensorSlot(len(tensors) - 1, value.shape, value.dtype)
+    if isinstance(value, dict):
+        return {k: _strip(v, tensors) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_strip(v, tensors) for v in value)
+    return value
+
+
+def _fill(value: Any, tensors: List[torch.Tensor]) -> Any:
+    if isinstance(value, _TensorSlot):
+        return tensors[value.index]
+    if isinstance(value, dict):
+        return {k: _fill(v, tensors) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_fill(v, tensors) for v in value)
+    return value
+
+
+def broadcast_optimizer_state(optimizer, root_rank: int = 0,
+                              process_set=global_process_set) -> None:
+    """Give every rank ``root_rank``'s optimizer state and hyper-parameters.
+
+    The root sends its ``state_dict()`` -- structure and Python scalars as one
+    object, tensors (momentum buffers, Adam moments, steps) over the data
+    plane -- and the others ``load_state_dict`` it. Works when the other
+    ranks have no state yet (before their first step); the root's state is
+    only read.
+
+    Args:
+        optimizer: a ``torch.optim.Optimizer`` (distributed or not) whose
+            parameter groups have the same sizes on every rank.
+        root_rank: the rank whose state wins.
+        process_set: broadcast within this process set only.
+
+    Raises:
+        TypeError: ``optimizer`` is not an optimizer.
+        ValueError: the root's parameter groups do not fit this optimizer.
+
+    Example:
+        >>> hvd.broadcast_optimizer_state(opt, root_rank=0)
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError("broadcast_optimizer_state expects a torch.optim.Optimizer, got "
+                        f"{type(optimizer).__name__}")
+    me = process_set.rank() if process_set is not None else ops.api.rank()
+    tensors: List[torch.Tensor] = []
+    skeleton = _strip(optimizer.state_dict(), tensors) if me == root_rank else None
+    skeleton = broadcast_object(skeleton, root_rank, process_set=process_set)
+    if me == root_rank:
+        # State travels on the CPU plane; load_state_dict moves it to each parameter's device.
+        handles = [ops.broadcast_async(t.detach().cpu(), root_rank, name=f"optimizer_state.{i}",
+                                       process_set=process_set)
+                   for i, t in enumerate(tensors)]
+        for handle in handles:
+            ops.synchronize(handle)
+        return
+    slots: List[_TensorSlot] = []
+    _collect_slots(skeleton, slots)
+    slots.sort(key=lambda s: s.index)
+    received = [torch.empty(s.shape, dtype=s.dtype) for s in slots]
+    handles = [ops.broadcast_async_(t, root_rank, name=f"optimizer_state.{i}",
+                                    process_set=process_set)
+               for i, t in enumerate(received)]
+    for handle in handles:
+        ops.synchronize(handle)
+    state_dict: Dict[str, Any] = _fill(skeleton, received)
+    mine = optimizer.param_groups
+    theirs = state_dict.get("param_groups", [])
+    if len(mine) != len(theirs) or any(len(a["params"]) != len(b["params"])
+                                       for a, b in zip(mine, theirs)):
+        raise ValueError(
+            f"broadcast_optimizer_state: rank {root_rank}'s optimizer has parameter groups of "
+            f"sizes {[len(g['params']) for g in theirs]}, this rank's has "
+            f"{[len(g['params']) for g in mine]}; build the same optimizer on every rank")
+    optimizer.load_state_dict(state_dict)
+
+
+def _collect_slots(value: Any, out: List[_TensorSlot]) -> None:
+    if isinstance(value, _TensorSlot):
+        out.append(value)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _collect_slots(v, out)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _collect_slots(v, out)

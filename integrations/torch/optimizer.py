@@ -1,0 +1,367 @@
+"""``DistributedOptimizer``: average gradients across ranks while backward runs.
+
+The wrapper registers a post-accumulate-grad hook on every trainable
+parameter. When a parameter's gradient is complete for this step (after
+``backward_passes_per_step`` backward passes), its hook starts an
+asynchronous allreduce, so communication overlaps the rest of the backward
+pass. ``step()`` waits for the reductions, then runs the wrapped optimizer.
+
+A *round* of gradient reduction opens with the first hook after the last
+synchronization and closes at ``synchronize()``. When the round closes,
+parameters whose hook did not fire on this rank (an unused branch, a
+parameter only some ranks touched) are reduced with whatever gradient they
+hold -- zeros when they have none -- under the same name, so every rank
+submits every name and ends with identical gradients. Synchronizing when no
+round is open does nothing: the gradients are already reduced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Dict, Iterable, List, Optional, Tuple
+
+import torch
+
+from hvdlike.core.process_sets import global_process_set
+
+from . import ops
+from .compression import Compression
+from .sparse import sparse_allreduce_async
+
+_HOOK_OVERFLOW = (
+    "the gradient of {name!r} was computed more than backward_passes_per_step={k} time(s) "
+    "since the last step()/synchronize(); call step() after every {k} backward pass(es) or "
+    "raise backward_passes_per_step")
+
+
+class _Distributed:
+    """Methods mixed in front of the wrapped optimizer's class (see the factory)."""
+
+    # -- setup -----------------------------------------------------------------
+
+    def _hvd_setup(self, named_parameters, compression, backward_passes_per_step, op,
+                   gradient_predivide_factor, num_groups, groups, sparse_as_dense,
+                   process_set) -> None:
+        self._hvd_compression = compression
+        self._hvd_k = backward_passes_per_step
+        self._hvd_op = op
+        self._hvd_process_set = process_set
+        self._hvd_sparse_as_dense = sparse_as_dense
+        if op == ops.Average:
+            # The core divides Average by the set size after the sum; moving
+            # part of the division before the sum keeps fp16 sums in range.
+            self._hvd_prescale = 1.0 / gradient_predivide_factor
+            self._hvd_postscale = gradient_predivide_factor
+        else:
+            self._hvd_prescale = self._hvd_postscale = 1.0
+        self._hvd_names: Dict[torch.Tensor, str] = {}
+        self._hvd_user_names = _check_named_parameters(named_parameters, self.param_groups)
+        self._hvd_hooks = {}
+        self._hvd_passes: Dict[torch.Tensor, int] = {}
+        self._hvd_handles: Dict[object, tuple] = {}  # param (or group index) -> pending work
+        self._hvd_round_open = False
+        self._hvd_should_sync = True
+        self._hvd_group_of: Dict[torch.Tensor, int] = {}
+        self._hvd_groups: List[List[torch.Tensor]] = []
+        self._hvd_group_ready: Dict[int, set] = {}
+        self._hvd_register_all()
+        self._hvd_build_groups(num_groups, groups)
+
+    def _hvd_params(self) -> Iterable[Tuple[int, int, torch.Tensor]]:
+        for gi, group in enumerate(self.param_groups):
+            for pi, p in enumerate(group["params"]):
+                yield gi, pi, p
+
+    def _hvd_register_all(self) -> None:
+        for gi, pi, p in self._hvd_params():
+            if p not in self._hvd_names:
+                self._hvd_names[p] = self._hvd_user_names.get(
+                    p, f"DistributedOptimizer.noname.{gi}.{pi}")
+            if p.requires_grad and p not in self._hvd_hooks:
+                self._hvd_hooks[p] = p.register_post_accumulate_grad_hook(self._hvd_hook)
+
+    def _hvd_build_groups(self, num_groups, groups) -> None:
+        dense = [p for _, _, p in self._hvd_params() if p.requires_grad]
+        if groups is not None:
+            if num_groups:
+                raise ValueError("DistributedOptimizer: pass num_groups or groups, not both")
+            if not isinstance(groups, (list, tuple)):
+                raise TypeError("DistributedOptimizer: groups must be a list of lists of "
+                                f"parameters, got {type(groups).__name__}")
+            known = set(dense)
+            member_lists = []
+            for i, members in enumerate(groups):
+                members = list(members)
+                for p in members:
+                    if p not in known:
+                        raise ValueError(f"DistributedOptimizer: groups[{i}] holds a tensor "
+                                         "that is not a trainable parameter of the optimizer")
+                    if p in self._hvd_group_of:
+                        raise ValueError(f"DistributedOptimizer: a parameter appears in more "
+                                         f"than one group (again in groups[{i}])")
+                    self._hvd_group_of[p] = len(member_lists)
+                member_lists.append(members)
+        elif num_groups:
+            if not isinstance(num_groups, int) or num_groups < 0:
+                raise ValueError(f"DistributedOptimizer: num_groups must be a non-negative int, "
+                                 f"got {num_groups!r}")
+            per = -(-len(dense) // num_groups) if dense else 0
+            member_lists = [dense[i:i + per] for i in range(0, len(dense), per)] if per else []
+            for gi, members in enumerate(member_lists):
+                for p in members:
+                    self._hvd_group_of[p] = gi
+        else:
+            member_lists = []
+        self._hvd_groups = member_lists
+
+    def _hvd_hook(self, p: torch.Tensor) -> None:
+        count = self._hvd_passes.get(p, 0) + 1
+        if count > self._hvd_k:
+            raise RuntimeError(_HOOK_OVERFLOW.format(name=self._hvd_names[p], k=self._hvd_k))
+        self._hvd_passes[p] = count
+        self._hvd_round_open = True
+        if count < self._hvd_k:
+            return
+        gi = self._hvd_group_of.get(p)
+        if gi is None:
+            self._hvd_launch(p)
+            return
+        ready = self._hvd_group_ready.setdefault(gi, set())
+        ready.add(p)
+        if len(ready) == len(self._hvd_groups[gi]):
+            self._hvd_launch_group(gi)
+
+    # -- communication ---------------------------------------------------------
+
+    def _hvd_dense_grad(self, p: torch.Tensor, force: bool = False) -> torch.Tensor:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p, memory_format=torch.preserve_format)
+        elif p.grad.is_sparse and (self._hvd_sparse_as_dense or force):
+            p.grad = p.grad.to_dense()
+        return p.grad
+
+    def _hvd_launch(self, p: torch.Tensor) -> None:
+        name = self._hvd_names[p]
+        if p.grad is not None and p.grad.is_sparse and not self._hvd_sparse_as_dense:
+            handle = sparse_allreduce_async(p.grad, name=name, op=self._hvd_op,
+                                            process_set=self._hvd_process_set)
+            self._hvd_handles[p] = ("sparse", handle, None, None)
+            return
+        grad = self._hvd_dense_grad(p)
+        compressed, ctx = self._hvd_compression.compress(grad)
+        handle = ops.allreduce_async_(compressed, name=name, op=self._hvd_op,
+                                      prescale_factor=self._hvd_prescale,
+                                      postscale_factor=self._hvd_postscale,
+                                      process_set=self._hvd_process_set)
+        self._hvd_handles[p] = ("dense", handle, compressed, ctx)
+
+    def _hvd_launch_group(self, gi: int) -> None:
+        members = self._hvd_groups[gi]
+        # Grouped gradients travel dense: a group is one fused allreduce.
+        pairs = [self._hvd_compression.compress(self._hvd_dense_grad(p, force=True))
+                 for p in members]
+        handle = ops.grouped_allreduce_async_(
+            [c for c, _ in pairs], name=f"DistributedOptimizer.group.{gi}."
+            f"{self._hvd_names[members[0]]}", op=self._hvd_op,
+            prescale_factor=self._hvd_prescale, postscale_factor=self._hvd_postscale,
+            process_set=self._hvd_process_set)
+        self._hvd_handles[gi] = ("group", handle, pairs, members)
+
+    def synchronize(self) -> None:
+        """Finish this round's gradient reduction; gradients are averaged afterwards.
+
+        Call it before modifying gradients (clipping, unscaling), then call
+        ``step()`` inside :meth:`skip_synchronize`. A no-op when no backward
+        pass ran since the last synchronization.
+        """
+        self._hvd_register_all()  # parameters unfrozen or added since
+        if not self._hvd_round_open:
+            return
+        launched_groups = {gi for gi in self._hvd_handles if isinstance(gi, int)}
+        for gi in range(len(self._hvd_groups)):
+            if gi not in launched_groups and any(p.requires_grad for p in self._hvd_groups[gi]):
+                self._hvd_launch_group(gi)
+        for _, _, p in self._hvd_params():
+            if (p.requires_grad and p not in self._hvd_handles
+                    and self._hvd_group_of.get(p) is None):
+                self._hvd_launch(p)
+        handles, self._hvd_handles = self._hvd_handles, {}
+        self._hvd_passes = {}
+        self._hvd_group_ready = {}
+        self._hvd_round_open = False
+        for key, (kind, handle, payload, extra) in handles.items():
+            if kind == "sparse":
+                key.grad = ops.synchronize(handle)
+            elif kind == "dense":
+                out = ops.synchronize(handle)
+                if payload is not key.grad:
+                    key.grad.copy_(self._hvd_compression.decompress(out, extra))
+            else:
+                outs = ops.synchronize(handle)
+                for p, out, (compressed, ctx) in zip(extra, outs, payload):
+                    if compressed is not p.grad:
+                        p.grad.copy_(self._hvd_compression.decompress(out, ctx))
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """Inside this block ``step()`` does not synchronize (you already did)."""
+        previous = self._hvd_should_sync
+        self._hvd_should_sync = False
+        try:
+            yield
+        finally:
+            self._hvd_should_sync = previous
+
+    # -- optimizer interface ---------------------------------------------------
+
+    def step(self, closure=None):
+        """Synchronize gradients (unless inside ``skip_synchronize``), then step."""
+        if self._hvd_should_sync:
+            self.synchronize()
+        elif self._hvd_round_open:
+            warnings.warn("DistributedOptimizer.step() inside skip_synchronize() after a "
+                          "backward pass that was not synchronized: call synchronize() first "
+                          "or the ranks' gradients differ", stacklevel=2)
+        if closure is not None:
+            user_closure = closure
+
+            def closure():
+                # Each evaluation must see reduced gradients (LBFGS calls it repeatedly).
+                with torch.enable_grad():
+                    loss = user_closure()
+                self.synchronize()
+                return loss
+
+        return super().step(closure)
+
+    step.hooked = True  # torch's profiling wrapper already wraps the base class's step
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._hvd_handles:
+            raise RuntimeError(
+                "DistributedOptimizer.zero_grad() was called after backward() but before "
+                "step() or synchronize(): gradients are still being reduced; call step() "
+                "(or synchronize()) first")
+        self._hvd_passes = {}
+        self._hvd_group_ready = {}
+        self._hvd_round_open = False
+        return super().zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group) -> None:
+        super().add_param_group(param_group)
+        if hasattr(self, "_hvd_hooks"):
+            self._hvd_register_all()
+
+
+_CLASSES: Dict[type, type] = {}
+
+
+def _distributed_class(cls: type) -> type:
+    """The subclass of ``cls`` with the distributed methods in front (cached per class)."""
+    if issubclass(cls, _Distributed):
+        raise TypeError("DistributedOptimizer: the optimizer is already distributed")
+    new = _CLASSES.get(cls)
+    if new is None:
+        new = type(cls.__name__, (_Distributed, cls), {"__module__": cls.__module__})
+        _CLASSES[cls] = new
+    return new
+
+
+def _check_named_parameters(named_parameters, param_groups) -> Dict[torch.Tensor, str]:
+    """Validate ``named_parameters`` against the optimizer; return param -> name."""
+    if named_parameters is None:
+        return {}
+    items = list(named_parameters)
+    names: Dict[torch.Tensor, str] = {}
+    seen: Dict[str, int] = {}
+    for i, item in enumerate(items):
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
+                and isinstance(item[1], torch.Tensor)):
+            raise TypeError("DistributedOptimizer: named_parameters must be (name, parameter) "
+                            f"pairs such as model.named_parameters(); item {i} is {item!r:.80}")
+        name, p = item
+        seen[name] = seen.get(name, 0) + 1
+        names.setdefault(p, name)
+    dups = sorted(n for n, c in seen.items() if c > 1)
+    if dups:
+        raise ValueError(f"DistributedOptimizer: named_parameters has duplicate names: "
+                         f"{', '.join(dups)}; every parameter needs a unique name")
+    missing = [(gi, pi) for gi, g in enumerate(param_groups) for pi, p in enumerate(g["params"])
+               if p not in names]
+    if missing:
+        where = ", ".join(f"param_groups[{gi}]['params'][{pi}]" for gi, pi in missing[:5])
+        raise ValueError(f"DistributedOptimizer: {len(missing)} optimizer parameter(s) are not "
+                         f"in named_parameters ({where}{', ...' if len(missing) > 5 else ''}); "
+                         "pass model.named_parameters() of the model the optimizer trains")
+    return names
+
+
+def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
+                         backward_passes_per_step: int = 1, op=ops.Average,
+                         gradient_predivide_factor: float = 1.0, num_groups: int = 0,
+                         groups=None, sparse_as_dense: bool = False,
+                         process_set=global_process_set):
+    """Wrap ``optimizer`` so that gradients are averaged across ranks before each step.
+
+    Args:
+        optimizer: a ``torch.optim.Optimizer`` (any subclass).
+        named_parameters: ``model.named_parameters()``; names identify each
+            gradient across ranks. Without it, names come from the position
+            in ``param_groups``, which must then match on every rank.
+        compression: :class:`Compression` member or a custom compressor,
+            applied to dense gradients on the wire.
+        backward_passes_per_step: backward passes accumulated locally before
+            communicating once (gradients are summed; scale the loss by
+            ``1/k`` for the mean over all passes).
+        op: ``Average`` (default), ``Sum`` or ``Adasum``.
+        gradient_predivide_factor: with Average, divide by this before the sum
+            and by ``size/factor`` after it.
+        num_groups: split trainable parameters into this many groups, each
+            reduced as one grouped allreduce once all its gradients are ready.
+        groups: explicit list of parameter lists (instead of ``num_groups``).
+        sparse_as_dense: reduce sparse gradients as dense tensors instead of
+            gathering their indices and values.
+        process_set: reduce among the ranks of this process set only.
+
+    Returns:
+        An optimizer of the same class as ``optimizer`` (a dynamic subclass)
+        that shares its state and parameter groups.
+
+    Raises:
+        TypeError: ``optimizer`` is not an optimizer, or bad argument types.
+        ValueError: inconsistent ``named_parameters``, groups or factors.
+
+    Example:
+        >>> opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+        ...                                named_parameters=model.named_parameters())
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError("DistributedOptimizer expects a torch.optim.Optimizer, got "
+                        f"{type(optimizer).__name__}")
+    if (isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int)
+            or backward_passes_per_step < 1):
+        raise ValueError("DistributedOptimizer: backward_passes_per_step must be an int >= 1, "
+                         f"got {backward_passes_per_step!r}")
+    op = ops.ReduceOp(op) if not isinstance(op, ops.ReduceOp) else op
+    if op not in (ops.Average, ops.Sum, ops.Adasum):
+        raise ValueError(f"DistributedOptimizer: op must be Average, Sum or Adasum, got "
+                         f"{op.name.title()}")
+    if gradient_predivide_factor != 1.0:
+        if op != ops.Average:
+            raise ValueError("DistributedOptimizer: gradient_predivide_factor needs op=Average")
+        if not gradient_predivide_factor > 0:
+            raise ValueError("DistributedOptimizer: gradient_predivide_factor must be > 0, "
+                             f"got {gradient_predivide_factor!r}")
+    if not (hasattr(compression, "compress") and hasattr(compression, "decompress")):
+        raise TypeError("DistributedOptimizer: compression needs compress() and decompress() "
+                        "(use Compression.none/.fp16/.bf16 or a Compressor subclass)")
+    cls = _distributed_class(type(optimizer))
+    wrapped = cls.__new__(cls)
+    # Share the wrapped optimizer's attributes (state, param_groups, defaults,
+    # hooks) rather than re-running its __init__, whose arguments we do not know.
+    wrapped.__dict__.update(optimizer.__dict__)
+    wrapped._hvd_setup(named_parameters, compression, backward_passes_per_step, op,
+                       gradient_predivide_factor, num_groups, groups, sparse_as_dense,
+                       process_set)
+    return wrapped

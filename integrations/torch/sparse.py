@@ -1,0 +1,65 @@
+"""Allreduce of sparse COO tensors by gathering indices and values.
+
+A sparse gradient (``nn.Embedding(sparse=True)``) touches a few rows. Summing
+it as a dense tensor moves every row; gathering each rank's ``(index, value)``
+pairs moves only the touched ones, and coalescing the concatenation adds up
+rows that several ranks touched. The cost grows with the number of ranks,
+so for dense-ish gradients ``sparse_as_dense=True`` is the better choice.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List
+
+import torch
+
+from hvdlike.core.process_sets import global_process_set
+
+from . import ops
+
+
+class SparseHandle(ops.GroupHandle):
+    """Handle of :func:`sparse_allreduce_async`; :func:`synchronize` returns a sparse tensor."""
+
+    def __init__(self, handles, shape, average: bool, size: int):
+        super().__init__(handles)
+        self._shape = shape
+        self._average = average
+        self._size = size
+
+    def result(self, results: List[Any]) -> torch.Tensor:
+        indices, values = results
+        if self._average:
+            values = values / self._size
+        out = torch.sparse_coo_tensor(indices.t(), values, self._shape)
+        return out.coalesce()
+
+
+def sparse_allreduce_async(tensor, name=None, op=ops.Average,
+                           process_set=global_process_set) -> SparseHandle:
+    """Start reducing a sparse COO tensor across ranks (op Average or Sum).
+
+    Returns:
+        A handle; ``hvd.synchronize(handle)`` returns the coalesced sparse
+        sum (or average) of every rank's ``tensor``.
+
+    Raises:
+        TypeError: ``tensor`` is not a sparse COO tensor.
+        ValueError: ``op`` is neither Average nor Sum.
+    """
+    if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.sparse_coo:
+        raise TypeError("sparse_allreduce_async expects a sparse COO tensor, got "
+                        f"{type(tensor).__name__ if not isinstance(tensor, torch.Tensor) else tensor.layout}")
+    op = ops.ReduceOp(op)
+    if op not in (ops.Average, ops.Sum):
+        raise ValueError(f"sparse_allreduce_async supports op Average or Sum, got {op.name.title()}")
+    if name is None:
+        name = ops._name(None, "sparse_allreduce")
+    t = tensor.coalesce()
+    # Gather (nnz, sparse_dim) index rows so ranks may hold different nnz.
+    indices = t.indices().t().contiguous()
+    values = t.values().contiguous()
+    handles = [ops.allgather_async(indices, name=f"{name}.indices", process_set=process_set),
+               ops.allgather_async(values, name=f"{name}.values", process_set=process_set)]
+    size = ops._set_size(process_set)
+    return SparseHandle(handles, tuple(tensor.shape), op == ops.Average, size)
