@@ -178,7 +178,11 @@ class Executor:
 
     def _launch(self, items: List[Work]) -> None:
         op = items[0][0].op
-        if op == OpType.ALLREDUCE:
+        if op == OpType.ALLREDUCE and items[0][0].reduce_op == ReduceOp.ADASUM:
+            from . import adasum  # never fused: one response per batch
+
+            adasum.launch(self, items)
+        elif op == OpType.ALLREDUCE:
             if len(items) == 1 and items[0][1] is not None:
                 self._allreduce_one(items)
             else:

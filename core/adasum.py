@@ -1,0 +1,173 @@
+"""Adasum: adaptive summation of gradients across ranks.
+
+Adasum (Maleki et al., "Scaling Distributed Training with Adaptive
+Summation", MLSys 2021) combines two gradients ``a`` and ``b`` as
+
+    (1 - a.b / (2 |a|^2)) a  +  (1 - a.b / (2 |b|^2)) b
+
+Orthogonal gradients are summed; parallel ones are averaged; anything in
+between gets a proportionate mix, which keeps large-batch training stable
+without retuning the learning rate. The pairwise rule is applied over a
+recursive-doubling pattern: at level ``d`` rank ``r`` exchanges its current
+vector with rank ``r XOR 2^d`` and both compute the same combination (the
+lower rank's vector always as ``a``, so both get identical bits). After
+``log2(p)`` levels every rank holds the result.
+
+Rank counts that are not a power of two: with ``q`` the largest power of two
+below ``p``, rank ``q + i`` first hands its vector to rank ``i``, which
+combines the two (its own as ``a``); the ``q`` lower ranks run the doubling;
+rank ``i`` then sends the result back to rank ``q + i``. :func:`reference`
+computes the same tree in one process, for tests and for users who want to
+check the numbers.
+
+Each tensor is combined on its own (never fused with others): the dot
+products are per tensor, i.e. per layer, as the method intends. Vectors
+travel on a dedicated Gloo group of the process set, point to point; CUDA
+tensors are staged through host memory. A rank that has joined contributes
+zeros, which the rule leaves out (``combine(a, 0) == a``).
+"""
+
+from __future__ import annotations
+
+from typing import List, Sequence
+
+import torch
+
+from .errors import HvdlikeInternalError
+
+_TAG_LEVELS = 64  # tags per operation: levels plus the fold steps
+
+
+def combine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The Adasum of two vectors of the same shape (a new tensor, dtype of ``a``).
+
+    Dot products run in float64. A zero vector contributes nothing.
+    """
+    a64 = a.reshape(-1).to(torch.float64)
+    b64 = b.reshape(-1).to(torch.float64)
+    dot = float(torch.dot(a64, b64))
+    aa = float(torch.dot(a64, a64))
+    bb = float(torch.dot(b64, b64))
+    ca = 1.0 - dot / (2.0 * aa) if aa > 0.0 else 1.0
+    cb = 1.0 - dot / (2.0 * bb) if bb > 0.0 else 1.0
+    work = a.dtype if a.dtype in (torch.float32, torch.float64) else torch.float32
+    out = a.to(work) * ca + b.to(work) * cb
+    return out.to(a.dtype)
+
+
+def _largest_power_of_two(n: int) -> int:
+    q = 1
+    while q * 2 <= n:
+        q *= 2
+    return q
+
+
+def reference(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Adasum of one tensor per rank, in rank order, computed in one process.
+
+    Follows exactly the pairing the distributed version uses, so results
+    agree to rounding.
+    """
+    p = len(tensors)
+    if p == 0:
+        raise ValueError("adasum reference needs at least one tensor")
+    q = _largest_power_of_two(p)
+    vals: List[torch.Tensor] = [t.clone() for t in tensors[:q]]
+    for i in range(p - q):
+        vals[i] = combine(vals[i], tensors[q + i])
+    distance = 1
+    while distance < q:
+        vals = [combine(vals[r], vals[r ^ distance]) if r < r ^ distance
+                else combine(vals[r ^ distance], vals[r]) for r in range(q)]
+        distance *= 2
+    return vals[0]
+
+
+class AdasumRunner:
+    """Runs Adasum allreduces of one process set over point-to-point Gloo transfers."""
+
+    def __init__(self, groups, rank: int, size: int):
+        self.groups = groups
+        self.rank = rank
+        self.size = size
+        self.count = 0  # operations launched; identical on every rank (same order)
+
+    def next_tag(self) -> int:
+        """Tag base of the next operation; taken in launch order, so ranks agree."""
+        tag = (self.count % (1 << 20)) * _TAG_LEVELS
+        self.count += 1
+        return tag
+
+    def _exchange(self, group, mine: torch.Tensor, peer: int, tag: int) -> torch.Tensor:
+        theirs = torch.empty_like(mine)
+        send = group.send([mine], peer, tag)
+        group.recv([theirs], peer, tag).wait()
+        send.wait()
+        return theirs
+
+    def reduce(self, vector: torch.Tensor, tag: int) -> torch.Tensor:
+        """This rank's Adasum result for its contiguous CPU ``vector``."""
+        p, r = self.size, self.rank
+        if p == 1:
+            return vector
+        group = self.groups.data("adasum")  # private: p2p never meets the data collectives
+        q = _largest_power_of_two(p)
+        x = vector
+        if r >= q:  # fold in, wait for the result, done
+            group.send([x], r - q, tag).wait()
+            out = torch.empty_like(x)
+            group.recv([out], r - q, tag + 1).wait()
+            return out
+        if r + q < p:
+            extra = torch.empty_like(x)
+            group.recv([extra], r + q, tag).wait()
+            x = combine(x, extra)
+        distance, level = 1, 2
+        while distance < q:
+            peer = r ^ distance
+            theirs = self._exchange(group, x.contiguous(), peer, tag + level)
+            x = combine(x, theirs) if r < peer else combine(theirs, x)
+            distance *= 2
+            level += 1
+        if r + q < p:
+            group.send([x.contiguous()], r + q, tag + 1).wait()
+        return x
+
+
+def launch(executor, items) -> None:
+    """Start one Adasum allreduce (``items`` holds a single response) on ``executor``.
+
+    The exchanges run on the executor's completion thread, in launch order,
+    so the background thread keeps negotiating meanwhile.
+    """
+    from .executor import scale
+
+    (response, entry), = items
+    runner = getattr(executor, "adasum_runner", None)
+    if runner is None:
+        runner = executor.adasum_runner = AdasumRunner(executor.groups, executor.rank,
+                                                       executor.size)
+    tag = runner.next_tag()
+    if entry is not None:
+        source = entry.tensor
+    else:  # a joined rank stands in with zeros, which Adasum leaves out
+        source = torch.zeros(response.shape, dtype=getattr(torch, response.dtype),
+                             device=response.device)
+
+    def finalize():
+        vector = source.detach().reshape(-1).to("cpu", copy=True).contiguous()
+        scale(vector, response.prescale)
+        try:
+            result = runner.reduce(vector, tag)
+        except HvdlikeInternalError:
+            raise
+        except Exception as exc:
+            raise HvdlikeInternalError(f"Adasum exchange of {response.name!r} failed: "
+                                       f"{exc}") from exc
+        scale(result, response.postscale)
+        if entry is None:
+            return [None]
+        entry.output.view(-1).copy_(result)
+        return [entry.output]
+
+    executor._submit(None, items, finalize)
