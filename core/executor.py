@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -80,9 +81,9 @@ def scale(tensor: torch.Tensor, factor: float) -> None:
 class Finisher:
     """Waits for launched collectives in order and runs their completion."""
 
-    def __init__(self, on_fatal: Callable[[BaseException], None]):
+    def __init__(self, explain: Callable[[BaseException], BaseException]):
         self._queue: "queue.Queue" = queue.Queue()
-        self._on_fatal = on_fatal
+        self._explain = explain
         self._thread = threading.Thread(target=self._loop, name="hvdlike-finisher", daemon=True)
         self._thread.start()
 
@@ -100,10 +101,7 @@ class Finisher:
                     work.wait()
                 finalize()
             except BaseException as exc:  # a dead peer or timeout surfaces here
-                error = exc if isinstance(exc, HvdlikeInternalError) else HvdlikeInternalError(
-                    f"data-plane collective failed: {exc}")
-                fail(error)
-                self._on_fatal(error)
+                fail(self._explain(exc))
 
     def close(self, timeout: float = 5.0) -> None:
         self._queue.put(None)
@@ -113,15 +111,18 @@ class Finisher:
 class Executor:
     """Runs responses on the data plane of one process set."""
 
+    timeline = None  # a core.timeline.Timeline while recording
+    _batch_started = 0.0
+
     def __init__(self, groups, rank: int, size: int, fusion_threshold: int, complete: Complete,
-                 on_fatal: Callable[[BaseException], None]):
+                 explain: Callable[[BaseException], BaseException]):
         self.groups = groups
         self.rank = rank
         self.size = size
         self.fusion_threshold = fusion_threshold
         self.complete = complete
         self.pool = fusion.BufferPool()
-        self.finisher = Finisher(on_fatal)
+        self.finisher = Finisher(explain)
         self.launched = 0
 
     def close(self) -> None:
@@ -139,6 +140,8 @@ class Executor:
         responses = [r for r, _ in runnable]
         for batch in fusion.plan(responses, self.fusion_threshold):
             items = [runnable[i] for i in batch]
+            if self.timeline is not None:
+                self._batch_started = time.monotonic()
             try:
                 self._launch(items)
             except BaseException as exc:
@@ -165,6 +168,8 @@ class Executor:
                 if entry is not None:
                     self.complete(entry, None, error)
 
+        if self.timeline is not None:
+            done = self.timeline.wrap(items, self._batch_started, done)
         self.launched += 1
         self.finisher.submit(work, done, fail)
 

@@ -70,9 +70,9 @@ class Handle:
         while not self._event.wait(0.05):
             fatal = alive()
             if fatal is not None and not self._event.is_set():
-                raise HvdlikeInternalError(
-                    f"collective {self.name!r} cannot complete: {fatal}"
-                ) from fatal
+                kind = type(fatal) if isinstance(fatal, HvdlikeInternalError) \
+                    else HvdlikeInternalError
+                raise kind(f"collective {self.name!r} cannot complete: {fatal}") from fatal
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"collective {self.name!r} did not complete in {timeout}s")
         if self._error is not None:

@@ -21,6 +21,7 @@ from .errors import HvdlikeInternalError, NotInitializedError
 from .messages import OpType
 from .executor import Executor
 from .handles import Handle
+from .health import Health
 from .log import configure as configure_logging, logger
 from .tensor_queue import Entry, TensorQueue
 from .transport import GlooControlPlane, Groups
@@ -33,7 +34,7 @@ class ProcessSetState:
     """Everything one process set needs on a member rank."""
 
     def __init__(self, set_id: int, ranks: Sequence[int], global_rank: int, store, cfg,
-                 local_addr: str, complete, on_fatal):
+                 local_addr: str, complete, explain):
         self.id = set_id
         self.ranks = list(ranks)
         self.rank = self.ranks.index(global_rank)
@@ -46,7 +47,7 @@ class ProcessSetState:
         self.controller = Controller(GlooControlPlane(self.groups.control, self.rank, self.size),
                                      cfg.cache_capacity)
         self.executor = Executor(self.groups, self.rank, self.size, cfg.fusion_threshold,
-                                 complete, on_fatal)
+                                 complete, explain)
 
     def close(self) -> None:
         self.executor.close()
@@ -55,6 +56,8 @@ class ProcessSetState:
 
 class Runtime:
     """A live hvdlike job in this process."""
+
+    timeline = None  # a core.timeline.Timeline while recording (see core/timeline.py)
 
     def __init__(self, cfg: config_mod.Config, topology: bootstrap.Topology,
                  rendezvous: bootstrap.Rendezvous):
@@ -76,6 +79,7 @@ class Runtime:
         self._set_changes_lock = threading.Lock()
         self._set_change_count = 0
         self.store = None
+        self.health: Optional[Health] = None
 
     # -- life cycle --------------------------------------------------------------
 
@@ -107,12 +111,22 @@ class Runtime:
             raise HvdlikeInternalError(
                 f"rank {topology.rank} could not connect to the other {topology.size - 1} "
                 f"rank(s) (Gloo on {local_addr or 'default interface'}): {exc}") from None
+        if topology.size > 1:
+            health_store = dist.PrefixStore(
+                f"gen{generation}/", bootstrap.connect_store(topology, rendezvous, cfg.start_timeout))
+            runtime.health = Health(health_store, topology.rank, topology.size,
+                                    topology.hostname, cfg, runtime._waiting_since,
+                                    runtime._set_fatal)
         try:
             # Static sets are live from the first cycle on every rank: registered
             # before the background thread starts cycling.
             from .process_sets import register_static
 
             register_static(runtime, list(process_sets or ()))
+            if cfg.timeline:
+                from . import timeline
+
+                timeline.start(runtime, cfg.timeline, cfg.timeline_mark_cycles)
         except BaseException:
             for state in runtime.process_sets.values():
                 state.close()
@@ -142,7 +156,7 @@ class Runtime:
         if self.topology.rank not in ranks:
             return None
         state = ProcessSetState(set_id, ranks, self.topology.rank, self.store, self.config,
-                                self.local_addr, self._complete, self._set_fatal)
+                                self.local_addr, self._complete, self._explain)
         return state
 
     def install_process_set(self, set_id: int, ranks: Sequence[int],
@@ -154,6 +168,7 @@ class Runtime:
         """
         self.set_ranks = {**self.set_ranks, set_id: list(ranks)}
         if state is not None:
+            state.executor.timeline = self.timeline
             self.process_sets = {**self.process_sets, set_id: state}
 
     def uninstall_process_set(self, set_id: int) -> None:
@@ -274,9 +289,9 @@ class Runtime:
         """Hand entries to the background thread; return their handles."""
         error = self.alive_error()
         if error is not None or self._stopping:
-            raise HvdlikeInternalError(
-                f"cannot submit {entries[0].request.name!r}: "
-                f"{error or 'hvdlike is shutting down'}")
+            kind = type(error) if isinstance(error, HvdlikeInternalError) else HvdlikeInternalError
+            raise kind(f"cannot submit {entries[0].request.name!r}: "
+                       f"{error or 'hvdlike is shutting down'}")
         state = self.process_set(set_id)
         if set_id != 0:
             self._to_set_roots(entries, state)
@@ -324,6 +339,23 @@ class Runtime:
             self.fatal = error
             logger.error("%s", error)
 
+    def _waiting_since(self) -> Dict[str, float]:
+        waiting: Dict[str, float] = {}
+        for state in list(self.process_sets.values()):
+            waiting.update(state.queue.waiting_since())
+        return waiting
+
+    def _explain(self, error: BaseException) -> BaseException:
+        """Turn a transport failure into the job's fatal error, naming dead peers."""
+        if self.fatal is not None:
+            return self.fatal
+        cause = self.health.diagnose() if self.health is not None and not self._stopping else ""
+        text = f"rank {self.topology.rank} ({self.topology.hostname}): "
+        text += f"{cause}. " if cause else ""
+        text += f"A collective with the other ranks failed: {error}"
+        self._set_fatal(HvdlikeInternalError(text))
+        return self.fatal
+
     def _loop(self) -> None:
         cycle_seconds = self.config.cycle_time / 1000.0
         try:
@@ -335,9 +367,7 @@ class Runtime:
                 if remaining > 0:
                     self.process_sets[0].queue.wakeup.wait(remaining)
         except BaseException as exc:
-            self._set_fatal(HvdlikeInternalError(
-                f"rank {self.topology.rank}: negotiation with the other ranks failed "
-                f"(a peer may have died or stopped): {exc}"))
+            self._explain(exc)
         finally:
             self._teardown()
 
@@ -351,10 +381,15 @@ class Runtime:
         """
         states = self.process_sets  # replaced, never mutated, while this thread runs
         changes = None
+        timeline = self.timeline
+        if timeline is not None:
+            timeline.cycle()
         for set_id in sorted(states):
             state = states[set_id]
             result = state.controller.cycle(state.queue.drain(),
                                             shutdown=self._stopping and set_id == 0)
+            if timeline is not None:
+                timeline.negotiated(set_id, result.work)
             if result.shutdown:
                 return True
             if set_id == 0 and self._set_changes:
@@ -375,4 +410,10 @@ class Runtime:
         for state in self.process_sets.values():
             state.groups.close()
             state.executor.pool.clear()
+        if self.health is not None:
+            self.health.close(clean=self.fatal is None)
+        if self.timeline is not None:
+            from . import timeline
+
+            timeline.stop(self)
         self._stopped.set()

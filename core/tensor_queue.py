@@ -40,7 +40,7 @@ class TensorQueue:
     def __init__(self):
         self._lock = threading.Lock()
         self._pending: List[Entry] = []
-        self._inflight = set()
+        self._inflight = {}  # name -> monotonic time of submission
         self.wakeup = threading.Event()
 
     def put(self, entries: List[Entry]) -> None:
@@ -54,7 +54,8 @@ class TensorQueue:
                     f"a collective named {dup[0]!r} is already in flight; wait for it "
                     f"(synchronize its handle) before submitting the name again"
                 )
-            self._inflight.update(names)
+            for entry in entries:
+                self._inflight[entry.request.name] = entry.enqueued_at
             self._pending.extend(entries)
         self.wakeup.set()
 
@@ -66,8 +67,13 @@ class TensorQueue:
 
     def release(self, name: str) -> None:
         with self._lock:
-            self._inflight.discard(name)
+            self._inflight.pop(name, None)
 
     def inflight(self) -> int:
         with self._lock:
             return len(self._inflight)
+
+    def waiting_since(self) -> dict:
+        """Snapshot ``{name: submission time}`` of every collective not yet completed."""
+        with self._lock:
+            return dict(self._inflight)

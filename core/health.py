@@ -1,0 +1,202 @@
+"""Liveness and stalls, watched out of band through the rendezvous store.
+
+The background thread can be stuck inside a collective exactly when something
+needs to be reported, so the watching happens on a separate daemon thread
+that talks only to the store (through its own connection):
+
+* every rank bumps a heartbeat counter each interval and publishes the names
+  of collectives it has been waiting on for a while;
+* rank 0 reads them all: a rank whose heartbeat stops is reported as
+  unresponsive; a tensor that some ranks wait on and others have not
+  submitted for ``HVDLIKE_STALL_CHECK_TIME_SECONDS`` is logged with the
+  missing ranks; after ``HVDLIKE_STALL_SHUTDOWN_TIME_SECONDS`` rank 0 posts an
+  abort message that every rank turns into a :class:`StallError`;
+* when a collective fails, :meth:`Health.diagnose` tells which peers stopped
+  beating, so the error names the dead rank and its host.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from typing import Callable, Dict, List, Optional
+
+from .errors import StallError
+from .log import logger
+
+MAX_NAMES = 8  # per report line; the rest is summarised as a count
+
+
+class Health:
+    """Heartbeat, stall inspection and peer diagnosis for one runtime."""
+
+    def __init__(self, store, rank: int, size: int, hostname: str, cfg,
+                 waiting_since: Callable[[], Dict[str, float]],
+                 on_abort: Callable[[BaseException], None]):
+        self.store = store
+        self.rank = rank
+        self.size = size
+        self.cfg = cfg
+        self.interval = min(1.0, cfg.stall_check_time_seconds / 4.0)
+        self.stall_enabled = not cfg.stall_check_disable
+        self._waiting_since = waiting_since
+        self._on_abort = on_abort
+        self._lock = threading.Lock()  # one store request at a time on this connection
+        self._stop = threading.Event()
+        self._published = None
+        self._beats: Dict[int, tuple] = {}  # rank -> (counter, monotonic time it last moved)
+        self._warned_silent = set()
+        self._last_stall_report = 0.0
+        self._since: Dict[str, float] = {}  # rank 0: name -> when its wait began, our clock
+        self._aborted = False
+        self.hosts: Dict[int, str] = {}
+        self._store_op(lambda: store.set(f"health/host/{rank}",
+                                         f"{hostname} (pid {os.getpid()})"))
+        self._thread = threading.Thread(target=self._run, name="hvdlike-health", daemon=True)
+        self._thread.start()
+
+    def _store_op(self, fn):
+        with self._lock:
+            return fn()
+
+    def close(self, clean: bool = True) -> None:
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(5)
+        if clean:
+            try:
+                self._store_op(lambda: self.store.set(f"health/bye/{self.rank}", "1"))
+            except Exception:  # the store may already be gone at job end
+                pass
+
+    # -- the watcher thread ----------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self._tick()
+            except Exception as exc:  # store gone: the failing collective will say so
+                logger.debug("health check skipped: %s", exc)
+
+    def _tick(self) -> None:
+        self._store_op(lambda: self.store.add(f"health/hb/{self.rank}", 1))
+        if self.stall_enabled:
+            self._publish_waiting()
+        if self._store_op(lambda: self.store.check(["health/abort"])) and not self._aborted:
+            self._aborted = True
+            message = self._store_op(lambda: self.store.get("health/abort")).decode()
+            self._on_abort(StallError(message))
+        if self.rank == 0:
+            self._inspect()
+
+    def _publish_waiting(self) -> None:
+        now = time.monotonic()
+        half = self.cfg.stall_check_time_seconds / 2.0
+        waiting = {n: round(now - t, 1) for n, t in self._waiting_since().items() if now - t >= half}
+        names = sorted(waiting)
+        if names != self._published:
+            payload = json.dumps(waiting)
+            self._store_op(lambda: self.store.set(f"health/waiting/{self.rank}", payload))
+            self._published = names
+
+    def _read(self, key: str) -> Optional[bytes]:
+        def op():
+            return self.store.get(key) if self.store.check([key]) else None
+        return self._store_op(op)
+
+    def host(self, rank: int) -> str:
+        if rank not in self.hosts:
+            raw = self._read(f"health/host/{rank}")
+            if raw is None:
+                return "unknown host"
+            self.hosts[rank] = raw.decode()
+        return self.hosts[rank]
+
+    def _counters(self) -> Dict[int, int]:
+        return {r: self._store_op(lambda r=r: self.store.add(f"health/hb/{r}", 0))
+                for r in range(self.size)}
+
+    def _inspect(self) -> None:
+        now = time.monotonic()
+        for r, count in self._counters().items():
+            last = self._beats.get(r)
+            if last is None or last[0] != count:
+                self._beats[r] = (count, now)
+                self._warned_silent.discard(r)
+            elif now - last[1] > max(5.0, 5 * self.interval) and r not in self._warned_silent:
+                self._warned_silent.add(r)
+                logger.warning("rank %d on %s has not shown signs of life for %.0fs "
+                               "(stopped, hung or dead?)", r, self.host(r), now - last[1])
+        if not self.stall_enabled:
+            return
+        report = self.stall_report()
+        if not report:
+            return
+        longest, text = report
+        if longest >= self.cfg.stall_check_time_seconds and \
+                now - self._last_stall_report >= self.cfg.stall_check_time_seconds:
+            self._last_stall_report = now
+            logger.warning("%s", text)
+        limit = self.cfg.stall_shutdown_time_seconds
+        if limit > 0 and longest >= limit and not self._aborted:
+            message = (f"stalled for {longest:.0f}s (HVDLIKE_STALL_SHUTDOWN_TIME_SECONDS="
+                       f"{limit:g}); shutting down every rank.\n{text}")
+            self._store_op(lambda: self.store.set("health/abort", message))
+
+    def stall_report(self):
+        """``(longest wait, text)`` naming stalled tensors and missing ranks, or None."""
+        waiting: Dict[int, Dict[str, float]] = {}
+        for r in range(self.size):
+            raw = self._read(f"health/waiting/{r}")
+            waiting[r] = json.loads(raw) if raw else {}
+        names: Dict[str, List[int]] = {}
+        now = time.monotonic()
+        for r, entries in waiting.items():
+            for name, seconds in entries.items():
+                names.setdefault(name, []).append(r)
+                # Ages are published once per name; convert to our own clock.
+                since = self._since.get(name, now)
+                self._since[name] = min(since, now - seconds)
+        for name in list(self._since):
+            if name not in names:
+                del self._since[name]
+        longest = {name: now - since for name, since in self._since.items()}
+        stalled = sorted((n for n in names if len(names[n]) < self.size),
+                         key=lambda n: -longest[n])
+        if not stalled:
+            return None
+        lines = ["stall: some ranks submitted collectives that others have not:"]
+        for name in stalled[:MAX_NAMES]:
+            missing = [r for r in range(self.size) if r not in names[name]]
+            where = ", ".join(f"{r} ({self.host(r)})" for r in missing)
+            lines.append(f"  {name!r}: waited {longest[name]:.0f}s; missing rank(s) {where}")
+        if len(stalled) > MAX_NAMES:
+            lines.append(f"  ... and {len(stalled) - MAX_NAMES} more")
+        return longest[stalled[0]], "\n".join(lines)
+
+    # -- diagnosis after a failure ---------------------------------------------------
+
+    def diagnose(self, wait: Optional[float] = None) -> str:
+        """Name the peers that stopped beating; '' if every peer still looks alive."""
+        wait = 2.5 * self.interval if wait is None else wait
+        try:
+            before = self._counters()
+            time.sleep(wait)
+            after = self._counters()
+        except Exception as exc:
+            return (f"the rendezvous store is unreachable ({exc}); the launcher, or rank 0 "
+                    f"if it hosted the store, is gone")
+        parts = []
+        for r in range(self.size):
+            if r == self.rank or after[r] != before[r]:
+                continue
+            try:
+                left = self._read(f"health/bye/{r}") is not None
+                host = self.host(r)
+            except Exception:
+                left, host = False, "unknown host"
+            state = "shut down" if left else "died or stopped responding"
+            parts.append(f"rank {r} on {host} {state}")
+        return "; ".join(parts)
