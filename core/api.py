@@ -188,3 +188,71 @@ def ddl_built() -> bool:
 def ccl_built() -> bool:
     return False
 
+
+
+def check_extension(ext_name: str, ext_env_var: str, pkg_path: str, *args) -> None:
+    """Horovod's check that a framework extension is usable; raises ImportError if not.
+
+    Horovod verifies its compiled library here. hvdlike has no compiled part:
+    a front end is usable when its framework imports and, for torch, when
+    ``torch.distributed`` offers Gloo (the control plane always runs on it).
+
+    Args:
+        ext_name: the front end, e.g. ``"hvdlike.torch"`` or ``"horovod.torch"``.
+        ext_env_var: the build variable Horovod would name (only echoed in errors).
+        pkg_path: the caller's ``__file__`` (accepted for compatibility).
+        *args: library names Horovod would look for (ignored).
+
+    Raises:
+        TypeError: an argument is not a string.
+        ImportError: the front end cannot work in this installation.
+    """
+    import importlib
+
+    for what, value in (("ext_name", ext_name), ("ext_env_var", ext_env_var),
+                        ("pkg_path", pkg_path)):
+        if not isinstance(value, str):
+            raise TypeError(f"check_extension: {what} must be a str, got {type(value).__name__}")
+    framework = ext_name.rsplit(".", 1)[-1]
+    if framework not in ("torch", "numpy", "jax", "keras"):
+        raise ImportError(f"Extension {ext_name} is not available: hvdlike has front ends for "
+                          f"torch, numpy, jax and keras only ({ext_env_var} has no effect)")
+    try:
+        importlib.import_module(framework)
+    except ImportError as exc:
+        raise ImportError(f"Extension {ext_name} is not available: {framework} cannot be "
+                          f"imported ({exc})") from None
+    if not gloo_built():
+        raise ImportError(f"Extension {ext_name} is not available: this torch build has no "
+                          f"torch.distributed Gloo backend")
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Start recording a Chrome-trace timeline of every collective to ``file_path``.
+
+    As in Horovod, rank 0 writes the file (other ranks do nothing); a path
+    containing ``{rank}`` is formatted per rank and every rank writes its own.
+    A timeline already recording is closed first. See :mod:`hvdlike.core.timeline`.
+
+    Args:
+        file_path: the JSON file to write (truncated).
+        mark_cycles: also mark the start of every background cycle.
+
+    Raises:
+        ValueError: the path is empty or cannot be written.
+
+    Example:
+        >>> hvd.start_timeline("/tmp/timeline.json", mark_cycles=True)
+        >>> hvd.allreduce(torch.ones(4), name="x")
+        >>> hvd.stop_timeline()   # the file is complete JSON now
+    """
+    from . import timeline
+
+    timeline.start(runtime(), file_path, mark_cycles)
+
+
+def stop_timeline() -> None:
+    """Stop recording the timeline and close its file (a no-op when not recording)."""
+    from . import timeline
+
+    timeline.stop(runtime())

@@ -11,12 +11,15 @@
 """
 
 from hvdlike.core.api import (
-    ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled, init,
-    is_homogeneous, is_initialized, local_rank, local_size, mpi_built, mpi_enabled,
-    mpi_threads_supported, nccl_built, rank, rocm_built, shutdown, size,
+    ccl_built, check_extension, cross_rank, cross_size, cuda_built, ddl_built, gloo_built,
+    gloo_enabled, init, is_homogeneous, is_initialized, local_rank, local_size, mpi_built,
+    mpi_enabled, mpi_threads_supported, nccl_built, rank, rocm_built, shutdown, size,
+    start_timeline, stop_timeline,
 )
 from hvdlike.core.errors import HorovodInternalError, HvdlikeInternalError
-from hvdlike.core.process_sets import ProcessSet, global_process_set
+from hvdlike.core.process_sets import (
+    ProcessSet, add_process_set, global_process_set, remove_process_set,
+)
 
 from .compression import Compression
 from .objects import allgather_object, broadcast_object
