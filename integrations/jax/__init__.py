@@ -1,1 +1,65 @@
-"""hvdlike.jax (in progress)."""
+"""hvdlike.jax: Horovod-style collectives and optax integration for JAX (CPU).
+
+    import jax, optax
+    import hvdlike.jax as hvd
+
+    hvd.init()
+    params = hvd.broadcast_pytree(init_params(jax.random.key(0)), root_rank=0)
+    tx = hvd.DistributedOptimizer(optax.sgd(0.1))      # averages gradients over ranks
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        grads = jax.grad(loss)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+CPU ``jax.Array`` inputs are shared with the core through DLPack (no copy);
+results are JAX arrays of the input dtype. The synchronous collectives also
+work inside ``jax.jit`` (staged as ordered host callbacks); ``*_async``
+handles are for eager code. Knobs, errors and process sets are those of every
+other front end.
+"""
+
+from hvdlike.core.api import (
+    cross_rank, cross_size, init, is_homogeneous, is_initialized, local_rank, local_size, rank,
+    shutdown, size,
+)
+from hvdlike.core.errors import HorovodInternalError, HvdlikeInternalError, MismatchError
+from hvdlike.core.messages import ReduceOp
+from hvdlike.core.process_sets import ProcessSet, global_process_set
+from hvdlike.frontend import barrier, join, poll, synchronize
+from hvdlike.torch.objects import allgather_object, broadcast_object
+
+from .ops import allgather, allreduce, alltoall, broadcast, grid, grouped_allreduce, reducescatter
+from .optimizer import DistributedOptimizer, allreduce_gradients
+from .pytree import allreduce_pytree, broadcast_pytree, broadcast_variables
+
+Average = ReduceOp.AVERAGE
+Sum = ReduceOp.SUM
+Min = ReduceOp.MIN
+Max = ReduceOp.MAX
+Product = ReduceOp.PRODUCT
+
+allreduce_async = grid.allreduce_async
+grouped_allreduce_async = grid.grouped_allreduce_async
+allgather_async = grid.allgather_async
+grouped_allgather = grid.grouped_allgather
+grouped_allgather_async = grid.grouped_allgather_async
+broadcast_async = grid.broadcast_async
+alltoall_async = grid.alltoall_async
+reducescatter_async = grid.reducescatter_async
+grouped_reducescatter = grid.grouped_reducescatter
+grouped_reducescatter_async = grid.grouped_reducescatter_async
+
+__all__ = [
+    "Average", "DistributedOptimizer", "HorovodInternalError", "HvdlikeInternalError", "Max",
+    "Min", "MismatchError", "ProcessSet", "Product", "Sum", "allgather", "allgather_async",
+    "allgather_object", "allreduce", "allreduce_async", "allreduce_gradients",
+    "allreduce_pytree", "alltoall", "alltoall_async", "barrier", "broadcast", "broadcast_async",
+    "broadcast_object", "broadcast_pytree", "broadcast_variables", "cross_rank", "cross_size",
+    "global_process_set", "grouped_allgather", "grouped_allgather_async", "grouped_allreduce",
+    "grouped_allreduce_async", "grouped_reducescatter", "grouped_reducescatter_async", "init",
+    "is_homogeneous", "is_initialized", "join", "local_rank", "local_size", "poll", "rank",
+    "reducescatter", "reducescatter_async", "shutdown", "size", "synchronize",
+]

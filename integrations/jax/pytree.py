@@ -1,0 +1,87 @@
+"""Collectives over whole pytrees: parameters, gradients, optimizer state.
+
+A pytree's array leaves travel together (one negotiation, fused where the
+core can fuse); leaves that are not arrays (step counters kept as Python
+ints, strings, ...) travel as one pickled object. The tree structure itself
+is not sent: every rank must hold a tree of the same structure, as it does
+when every rank built the model with the same code.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import jax
+import numpy as np
+
+from hvdlike.core import api
+from hvdlike.core.process_sets import global_process_set
+from hvdlike.frontend import synchronize
+from hvdlike.torch.objects import broadcast_object
+
+from . import ops
+from .convert import FRONTEND, is_traced
+
+
+def _is_array(leaf) -> bool:
+    return isinstance(leaf, (jax.Array, np.ndarray, np.generic))
+
+
+def broadcast_pytree(tree: Any, root_rank: int = 0, name: Optional[str] = None,
+                     process_set=global_process_set) -> Any:
+    """Return ``root_rank``'s ``tree`` on every rank (same structure, JAX arrays).
+
+    Args:
+        tree: any pytree (dicts, lists, tuples, dataclasses registered with JAX,
+            optax states...) whose structure is the same on every rank.
+        root_rank: rank whose values every rank receives.
+        name: base name of the collectives (default: an automatic one).
+        process_set: ranks taking part.
+
+    Raises:
+        TypeError: called inside ``jax.jit`` (broadcast outside the step), or a
+            leaf of an unsupported type or dtype.
+
+    Example:
+        >>> params = hvd.broadcast_pytree(params, root_rank=0)
+        >>> opt_state = hvd.broadcast_pytree(opt_state, root_rank=0)
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    if any(is_traced(leaf) for leaf in leaves):
+        raise TypeError(f"{FRONTEND}.broadcast_pytree cannot run inside jax.jit; broadcast "
+                        f"the initial state once, before the training step")
+    base = name if name is not None else api.runtime().auto_name("broadcast_pytree")
+    arrays = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
+    handles = [ops.grid.broadcast_async(leaves[i], root_rank, f"{base}.{i}", process_set)
+               for i in arrays]
+    others = [i for i in range(len(leaves)) if i not in set(arrays)]
+    out = list(leaves)
+    if others:
+        values = broadcast_object([leaves[i] for i in others], root_rank, f"{base}.objects",
+                                  process_set)
+        for i, value in zip(others, values):
+            out[i] = value
+    for i, handle in zip(arrays, handles):
+        out[i] = synchronize(handle)
+    return jax.tree.unflatten(treedef, out)
+
+
+def broadcast_variables(variables: Any, root_rank: int = 0, name: Optional[str] = None,
+                        process_set=global_process_set) -> Any:
+    """Horovod's name for :func:`broadcast_pytree` (parameters or optimizer state)."""
+    return broadcast_pytree(variables, root_rank, name or None, process_set)
+
+
+def allreduce_pytree(tree: Any, name: Optional[str] = None, op=ops.Average,
+                     prescale_factor=1.0, postscale_factor=1.0,
+                     process_set=global_process_set) -> Any:
+    """Reduce every array leaf of ``tree`` across ranks in one grouped allreduce.
+
+    Works eagerly and inside ``jax.jit`` (see :mod:`hvdlike.jax.ops`).
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    if not leaves:
+        return tree
+    reduced = ops.grouped_allreduce(leaves, name, op, prescale_factor, postscale_factor,
+                                    process_set)
+    return jax.tree.unflatten(treedef, list(reduced))
