@@ -25,6 +25,7 @@ from typing import Dict, List, Optional, Protocol, Sequence, Tuple
 from .coordinator import Coordinator
 from .messages import OpType, Request, Response
 from .response_cache import Lookup, ResponseCache
+from .sequence import LearnedSequence
 from .tensor_queue import Entry
 
 FLAG_UNCACHED = 0
@@ -40,6 +41,8 @@ class ControlPlane(Protocol):
     size: int
 
     def allreduce_sum(self, values: Sequence[int]) -> List[int]: ...
+
+    # Optional: ``allreduce_min(value) -> int`` enables the one-word fast path.
 
     def gather(self, payload: bytes) -> Optional[List[bytes]]: ...
 
@@ -68,8 +71,11 @@ class Controller:
         self._uncached: Dict[str, Entry] = {}  # name -> entry waiting for a response
         self._to_send: List[Request] = []
         self._joined = False
+        self.sequence = LearnedSequence()
+        self._allreduce_min = getattr(control, "allreduce_min", None)
         self.cycles = 0
         self.slow_cycles = 0
+        self.fast_cycles = 0
 
     @property
     def idle(self) -> bool:
@@ -85,6 +91,7 @@ class Controller:
     def _evict(self, slot: int) -> None:
         """Forget ``slot``; an entry of ours waiting on it is renegotiated."""
         self.cache.evict(slot)
+        self.sequence.reset()
         entry = self._cached.pop(slot, None)
         if entry is not None:
             self._miss(entry)
@@ -107,6 +114,8 @@ class Controller:
                     invalid.add(slot)
                 self._miss(entry)
 
+        if self._allreduce_min is not None and self._fast_cycle(result, invalid, shutdown):
+            return result
         n = self.cache.num_slots
         vec = [0] * (2 * n + NUM_FLAGS)
         # A joined rank is already counted by FLAG_JOINED; its ready bits weigh
@@ -126,16 +135,15 @@ class Controller:
             result.shutdown = True
             return result
 
-        for slot in range(n):
-            if total[n + slot]:
-                self._evict(slot)
+        invalidated = total[n:2 * n]
+        if any(invalidated):
+            for slot, bad in enumerate(invalidated):
+                if bad:
+                    self._evict(slot)
         joined = flags[FLAG_JOINED]
-        for slot in range(n):
-            count = total[slot] % (self.size + 1)
-            if total[slot] and count + joined >= self.size and not total[n + slot]:
-                response = self.cache.response(slot)
-                self.cache.touch(slot)
-                result.work.append((response, self._cached.pop(slot, None)))
+        for slot, votes in enumerate(total[:n]):
+            if votes and (votes % (self.size + 1)) + joined >= self.size and not invalidated[slot]:
+                self._run_cached(slot, result)
 
         if flags[FLAG_UNCACHED]:
             self.slow_cycles += 1
@@ -143,6 +151,37 @@ class Controller:
         if self.coordinator is not None:
             result.stalled = self.coordinator.pending()
         return result
+
+    def _run_cached(self, slot: int, result: CycleResult) -> None:
+        response = self.cache.response(slot)
+        self.cache.touch(slot)
+        self.sequence.executed(slot)
+        result.work.append((response, self._cached.pop(slot, None)))
+
+    def _fast_cycle(self, result: CycleResult, invalid, shutdown: bool) -> bool:
+        """Negotiate with one MIN-allreduced word when every rank follows the order.
+
+        Each rank votes how many slots of the learned order, from the agreed
+        position on, it has ready -- or -1 when it needs the full vector
+        (uncached or invalidated work, shutdown, join, or ready tensors it
+        cannot place in the order). Idle ranks vote 0. Returns False when the
+        full negotiation must run this cycle (on every rank alike).
+        """
+        if self._to_send or invalid or shutdown or self._joined:
+            vote = -1
+        elif not self._cached:
+            vote = 0
+        else:
+            vote = self.sequence.ready_prefix(self._cached) or -1
+        agreed = self._allreduce_min(vote)
+        if agreed < 0:
+            return False
+        self.fast_cycles += 1
+        for slot in self.sequence.take(agreed):
+            self._run_cached(slot, result)
+        if self.coordinator is not None:
+            result.stalled = self.coordinator.pending()
+        return True
 
     def _negotiate_uncached(self) -> List[Tuple[Response, Optional[Entry]]]:
         payload = pickle.dumps(self._to_send, protocol=pickle.HIGHEST_PROTOCOL)
@@ -162,5 +201,6 @@ class Controller:
             elif not response.error and not response.joined and entry is not None:
                 for slot in self.cache.put(response, entry.request):
                     self._evict(slot)
+                self.sequence.reset()
             work.append((response, entry))
         return work

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import operator
 from typing import Optional, Tuple
 
 
@@ -54,7 +55,9 @@ class Request:
 
     def signature(self) -> tuple:
         """Everything the response depends on except the submitting rank."""
-        return dataclasses.astuple(dataclasses.replace(self, rank=0))
+        # Called for every submitted tensor on the negotiation fast path: a flat
+        # attribute tuple, not dataclasses.astuple (which deep-copies, ~20x slower).
+        return _signature_fields(self)
 
     def describe(self) -> str:
         parts = [self.op.name.lower(), self.dtype, "x".join(map(str, self.shape)) or "scalar",
@@ -68,6 +71,10 @@ class Request:
         if self.splits is not None:
             parts.append(f"splits={list(self.splits)}")
         return " ".join(parts)
+
+
+_signature_fields = operator.attrgetter(
+    *(f.name for f in dataclasses.fields(Request) if f.name != "rank"))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -104,6 +104,20 @@ class GlooControlPlane:
         self.group.allreduce([tensor], opts).wait()
         return tensor.tolist()
 
+    def allreduce_min(self, value: int) -> int:
+        """Minimum of one integer over ranks: the steady-state negotiation word.
+
+        A 1-element Gloo allreduce is markedly cheaper than any longer one (a
+        single chunk travels the ring), which is why the fast path is one word.
+        """
+        if self.size == 1:
+            return value
+        tensor = torch.tensor([value], dtype=torch.int64)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MIN
+        self.group.allreduce([tensor], opts).wait()
+        return int(tensor.item())
+
     def _lengths(self, n: int) -> List[int]:
         mine = torch.tensor([n], dtype=torch.int64)
         out = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
