@@ -1,0 +1,229 @@
+"""hvdlike.torch training API in a one-rank job: argument checks and optimizer plumbing."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import hvdlike.torch as hvd
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_rank_job():
+    hvd.init()
+    yield
+    hvd.shutdown()
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
+
+
+def _loss(model):
+    return F.mse_loss(model(torch.randn(5, 3)), torch.randn(5, 1))
+
+
+def test_rejects_a_non_optimizer():
+    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+        hvd.DistributedOptimizer(object())
+
+
+def test_rejects_duplicate_and_missing_names():
+    m = _model()
+    params = list(m.named_parameters())
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    dup = [("w", params[0][1]), ("w", params[1][1])] + params[2:]
+    with pytest.raises(ValueError, match="duplicate names: w"):
+        hvd.DistributedOptimizer(opt, named_parameters=dup)
+    with pytest.raises(ValueError, match="not in named_parameters"):
+        hvd.DistributedOptimizer(opt, named_parameters=params[:2])
+    with pytest.raises(TypeError, match="named_parameters must be"):
+        hvd.DistributedOptimizer(opt, named_parameters=list(m.parameters()))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"backward_passes_per_step": 0}, "backward_passes_per_step"),
+    ({"backward_passes_per_step": "2"}, "backward_passes_per_step"),
+    ({"op": hvd.Sum, "gradient_predivide_factor": 2.0}, "gradient_predivide_factor"),
+    ({"op": hvd.Max}, "op must be"),
+    ({"num_groups": 2, "groups": []}, "not both"),
+])
+def test_rejects_bad_arguments(kwargs, match):
+    m = _model()
+    with pytest.raises(ValueError, match=match):
+        hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), **kwargs)
+
+
+def test_rejects_bad_groups_and_compression():
+    m = _model()
+    ps = list(m.parameters())
+    opt = torch.optim.SGD(ps, lr=0.1)
+    with pytest.raises(ValueError, match="more than one group"):
+        hvd.DistributedOptimizer(opt, groups=[ps[:2], ps[1:3]])
+    with pytest.raises(ValueError, match="not a trainable parameter"):
+        hvd.DistributedOptimizer(opt, groups=[[torch.zeros(2, requires_grad=True)]])
+    with pytest.raises(TypeError, match="compress"):
+        hvd.DistributedOptimizer(opt, compression="fp16")
+
+
+def test_wrapping_twice_is_an_error():
+    m = _model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1))
+    with pytest.raises(TypeError, match="already distributed"):
+        hvd.DistributedOptimizer(opt)
+
+
+def test_too_many_backward_passes_is_a_clear_error():
+    m = _model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                   named_parameters=m.named_parameters(),
+                                   backward_passes_per_step=2)
+    _loss(m).backward()
+    _loss(m).backward()
+    with pytest.raises(RuntimeError, match="more than backward_passes_per_step=2"):
+        _loss(m).backward()
+
+
+def test_zero_grad_while_reducing_is_a_clear_error_and_step_recovers():
+    m = _model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                   named_parameters=m.named_parameters())
+    _loss(m).backward()
+    with pytest.raises(RuntimeError, match="before step"):
+        opt.zero_grad()
+    opt.step()
+    opt.zero_grad()
+    assert all(p.grad is None for p in m.parameters())
+
+
+def test_step_twice_reuses_the_reduced_gradients():
+    m = _model()
+    ref = _model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    torch.manual_seed(1)
+    x, y = torch.randn(5, 3), torch.randn(5, 1)
+    for model, o in ((m, opt), (ref, ref_opt)):
+        F.mse_loss(model(x), y).backward()
+        o.step()
+        o.step()
+    for a, b in zip(m.parameters(), ref.parameters()):
+        assert torch.allclose(a, b)
+
+
+def test_user_subclass_scheduler_state_dict_and_add_param_group():
+    class MySGD(torch.optim.SGD):
+        def step(self, closure=None):
+            self.calls = getattr(self, "calls", 0) + 1
+            return super().step(closure)
+
+    # Step hooks run exactly as often as on the unwrapped optimizer (torch runs
+    # them once per hooked class in the MRO).
+    plain_model = _model()
+    plain = MySGD(plain_model.parameters(), lr=0.1)
+    plain_calls = []
+    plain.register_step_pre_hook(lambda *a: plain_calls.append(1))
+    _loss(plain_model).backward()
+    plain.step()
+    per_step = len(plain_calls)
+
+    m = _model()
+    opt = hvd.DistributedOptimizer(MySGD(m.parameters(), lr=0.1),
+                                   named_parameters=m.named_parameters())
+    assert isinstance(opt, MySGD) and type(opt).__name__ == "MySGD"
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    pre_hook_calls = []
+    opt.register_step_pre_hook(lambda *a: pre_hook_calls.append(1))
+    _loss(m).backward()
+    opt.step()
+    sched.step()
+    assert opt.calls == 1 and len(pre_hook_calls) == per_step
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.05)
+    extra = nn.Parameter(torch.ones(2))
+    opt.add_param_group({"params": [extra], "lr": 1.0})
+    opt.zero_grad()
+    (_loss(m) + extra.sum()).backward()
+    opt.step()
+    assert torch.allclose(extra.detach(), torch.zeros(2))
+    sd = opt.state_dict()
+    opt.load_state_dict(sd)
+    _loss(m).backward()
+    opt.step()  # still synchronizes after load_state_dict
+    assert opt.calls == 3 and len(pre_hook_calls) == 3 * per_step
+
+
+def test_closure_optimizers_see_reduced_gradients():
+    m = _model()
+    opt = hvd.DistributedOptimizer(torch.optim.LBFGS(m.parameters(), max_iter=3),
+                                   named_parameters=m.named_parameters())
+    x, y = torch.randn(5, 3), torch.randn(5, 1)
+
+    def closure():
+        opt.zero_grad()
+        loss = F.mse_loss(m(x), y)
+        loss.backward()
+        return loss
+
+    first = float(closure().detach())
+    opt.synchronize()
+    opt.step(closure)
+    assert float(F.mse_loss(m(x), y)) < first
+
+
+def test_frozen_and_unused_parameters():
+    m = _model()
+    m[0].weight.requires_grad_(False)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                   named_parameters=m.named_parameters())
+    F.mse_loss(m[0](torch.randn(2, 3)).sum(1, keepdim=True), torch.zeros(2, 1)).backward()
+    opt.step()  # m[2] got no gradient here: it is reduced as zeros, no stall
+    assert m[0].weight.grad is None
+    assert torch.equal(m[2].weight.grad, torch.zeros_like(m[2].weight))
+
+
+def test_broadcast_helpers_reject_bad_input():
+    with pytest.raises(TypeError, match="state_dict"):
+        hvd.broadcast_parameters(5, root_rank=0)
+    with pytest.raises(TypeError, match="not a tensor"):
+        hvd.broadcast_parameters({"a": 1.0}, root_rank=0)
+    with pytest.raises(ValueError, match="appears twice"):
+        hvd.broadcast_parameters([("a", torch.ones(1)), ("a", torch.ones(1))], root_rank=0)
+    with pytest.raises(ValueError, match="out of range"):
+        hvd.broadcast_parameters({"a": torch.ones(1)}, root_rank=3)
+    with pytest.raises(TypeError, match="Optimizer"):
+        hvd.broadcast_optimizer_state({}, root_rank=0)
+
+
+def test_broadcast_optimizer_state_on_one_rank_keeps_state():
+    m = _model()
+    opt = torch.optim.Adam(m.parameters(), lr=0.01)
+    _loss(m).backward()
+    opt.step()
+    before = {k: v.clone() for k, v in opt.state[m[0].weight].items()}
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    for k, v in before.items():
+        assert torch.equal(opt.state[m[0].weight][k], v)
+
+
+def test_sparse_allreduce_checks_and_single_rank_value():
+    with pytest.raises(TypeError, match="sparse COO"):
+        hvd.sparse_allreduce_async(torch.ones(3))
+    t = torch.sparse_coo_tensor(torch.tensor([[0, 2, 0]]), torch.tensor([1.0, 2.0, 3.0]), (4,))
+    with pytest.raises(ValueError, match="Average or Sum"):
+        hvd.sparse_allreduce_async(t, op=hvd.Max)
+    out = hvd.synchronize(hvd.sparse_allreduce_async(t, name="sp"))
+    assert torch.equal(out.to_dense(), torch.tensor([4.0, 0.0, 2.0, 0.0]))
+
+
+def test_sync_batch_norm_on_one_rank_is_batch_norm():
+    torch.manual_seed(0)
+    x = torch.randn(6, 3, 2)
+    ref = nn.BatchNorm1d(3)
+    sync = hvd.SyncBatchNorm(3)
+    assert torch.allclose(sync(x), ref(x))
+    assert torch.allclose(sync.running_var, ref.running_var)
+    with pytest.raises(ValueError, match="4 channels"):
+        sync(torch.randn(2, 4))
+    with pytest.raises(ValueError, match="at least 2 dimensions"):
+        sync(torch.randn(3))
