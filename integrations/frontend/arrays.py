@@ -18,7 +18,7 @@ from typing import Any, Callable, List, Optional
 
 import torch
 
-from hvdlike.core import collectives as core
+from hvdlike.core import api, collectives as core
 from hvdlike.core.errors import HvdlikeError
 from hvdlike.core.handles import Handle
 from hvdlike.core.messages import ReduceOp
@@ -242,8 +242,9 @@ class ArrayOps:
         if inplace:
             self._check_inplace(what)
         t = self._tensor(tensor, what, inplace)
+        # root_rank is a global rank, as in Horovod; the runtime maps it into the set.
         entry = self._build(what, lambda: core.broadcast_entry(
-            t, root_rank, set_size(process_set), name_for(name, "broadcast"), inplace=inplace))
+            t, root_rank, api.size(), name_for(name, "broadcast"), inplace=inplace))
         return self._submit([self._convert(entry, tensor, inplace)], process_set)[0]
 
     def broadcast_async(self, tensor, root_rank: int, name: Optional[str] = None,

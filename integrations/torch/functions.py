@@ -128,7 +128,7 @@ def broadcast_optimizer_state(optimizer, root_rank: int = 0,
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError("broadcast_optimizer_state expects a torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}")
-    me = process_set.rank() if process_set is not None else ops.api.rank()
+    me = ops.api.rank()  # root_rank is a global rank, as in Horovod
     tensors: List[torch.Tensor] = []
     skeleton = _strip(optimizer.state_dict(), tensors) if me == root_rank else None
     skeleton = broadcast_object(skeleton, root_rank, process_set=process_set)

@@ -26,7 +26,7 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set
         >>> epoch = hvd.broadcast_object(epoch if hvd.rank() == 0 else None, root_rank=0)
     """
     name = name or api.runtime().auto_name("broadcast_object")
-    me = process_set.rank() if process_set is not None else api.rank()
+    me = api.rank()  # root_rank is a global rank, as in Horovod
     payload = _to_tensor(obj) if me == root_rank else None
     length = torch.tensor([payload.numel() if payload is not None else 0], dtype=torch.int64)
     length = ops.broadcast(length, root_rank, name=f"{name}.size", process_set=process_set)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any, List, Optional
 
 from hvdlike.core import api, collectives as core
+from hvdlike.core.errors import HvdlikeInternalError
 from hvdlike.core.handles import Handle
 from hvdlike.core.messages import ReduceOp
 from hvdlike.core.process_sets import global_process_set, resolve
@@ -76,17 +77,29 @@ def poll(handle) -> bool:
     raise TypeError(f"poll expects a handle returned by an *_async call, got {type(handle).__name__}")
 
 
+def _wait(handle: Handle, timeout: Optional[float]):
+    current = api._runtime
+    if current is not None:
+        return current.wait(handle, timeout)
+    # shutdown() completed every pending handle with HvdlikeInternalError (Horovod's
+    # HorovodInternalError), which waiting raises here; a handle it did not know
+    # cannot complete any more.
+    if not handle.done():
+        raise HvdlikeInternalError(f"collective {handle.name!r} cannot complete: hvdlike has "
+                                   f"been shut down")
+    return handle.wait(timeout=timeout)
+
+
 def synchronize(handle, timeout: Optional[float] = None):
     """Wait for ``handle`` and return its result (a tensor, tuple or list for groups).
 
     Raises the collective's error on this rank: ``MismatchError`` when ranks
     disagreed, ``HvdlikeInternalError`` when the job broke.
     """
-    runtime = api.runtime()
     if isinstance(handle, GroupHandle):
-        return handle.result([runtime.wait(h, timeout) for h in handle.handles])
+        return handle.result([_wait(h, timeout) for h in handle.handles])
     if isinstance(handle, Handle):
-        return runtime.wait(handle, timeout)
+        return _wait(handle, timeout)
     raise TypeError(
         f"synchronize expects a handle returned by an *_async call, got {type(handle).__name__}")
 
