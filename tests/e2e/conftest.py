@@ -120,3 +120,25 @@ def wait_for_lines(proc_stdout_path, needle, count, timeout):
             pass
         time.sleep(0.1)
     return False
+
+
+@pytest.fixture(scope="session")
+def netns_cluster():
+    """Two hosts (network namespaces with sshd) for the whole session; torn down after.
+
+    Skips with the reason when the machine cannot build it (not root, no sshd...).
+    """
+    from tests import netns
+
+    reason = netns.why_unavailable()
+    if reason:
+        pytest.skip(f"multi-host test skipped: {reason}")
+    cluster = netns.Cluster()
+    try:
+        cluster.setup()
+    except Exception as exc:  # e.g. no CAP_NET_ADMIN inside a container
+        pytest.skip(f"multi-host test skipped: cannot build network namespaces: {exc}")
+    try:
+        yield cluster
+    finally:
+        cluster.teardown()

@@ -1,0 +1,119 @@
+"""Real multi-host runs: two network namespaces with their own IPs, each running sshd.
+
+The launcher runs in the root namespace and reaches both hosts over ssh; its
+rendezvous store listens on the bridge address both hosts route to.
+"""
+
+import os
+import signal
+import sys
+import textwrap
+import time
+
+import pytest
+
+from .conftest import finish, kill_session, marker, run, start, wait_until_gone  # noqa: F401
+
+pytestmark = pytest.mark.netns
+
+COLLECTIVES = """
+    import os
+    import torch
+    torch.set_num_threads(1)
+    import hvdlike.torch as hvd
+
+    hvd.init()
+    assert hvd.cross_size() == 2, hvd.cross_size()
+    total = hvd.allreduce(torch.tensor([float(hvd.rank())]), op=hvd.Sum).item()
+    gathered = hvd.allgather(torch.tensor([hvd.rank()])).tolist()
+    root = hvd.broadcast(torch.tensor([hvd.rank() * 10.0]), root_rank=2).item()
+    print(f"rank={hvd.rank()} size={hvd.size()} local={hvd.local_rank()}/{hvd.local_size()} "
+          f"cross={hvd.cross_rank()}/{hvd.cross_size()} host={os.environ['HVDLIKE_HOSTNAME']} "
+          f"sum={total:g} gather={gathered} bcast={root:g}")
+    hvd.shutdown()
+"""
+
+TRAINING = """
+    import os, time
+    import torch
+    torch.set_num_threads(1)
+    import hvdlike.torch as hvd
+
+    hvd.init()
+    here = os.path.dirname(os.path.abspath(__file__))
+    step = 0
+    while True:
+        hvd.allreduce(torch.ones(4), name=f"step{step}")
+        if step == 0:
+            with open(os.path.join(here, f"ready.{hvd.rank()}"), "w") as f:
+                f.write(str(os.getpid()))
+        step += 1
+        time.sleep(0.05)
+"""
+
+
+def _script(folder, body):
+    path = folder / "job.py"
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+def test_collectives_across_two_hosts(netns_cluster, marker):
+    c = netns_cluster
+    script = _script(marker, COLLECTIVES)
+    code, out, err, _ = run(["-np", "4", "-H", f"{c.ips[0]}:2,{c.ips[1]}:2", *c.ssh_options(),
+                             "python", script], timeout=150)
+    assert code == 0, err
+    expected = {0: (0, 0, c.ips[0]), 1: (1, 0, c.ips[0]), 2: (0, 1, c.ips[1]), 3: (1, 1, c.ips[1])}
+    for rank, (local, cross, host) in expected.items():
+        assert (f"[{rank}]<stdout>:rank={rank} size=4 local={local}/2 cross={cross}/2 host={host} "
+                f"sum=6 gather=[0, 1, 2, 3] bcast=20") in out
+    assert c.wait_until_clean() == []
+
+
+def test_remote_rank_killed_mid_run_leaves_nothing_behind(netns_cluster, marker):
+    c = netns_cluster
+    script = _script(marker, TRAINING)
+    proc = start(["-np", "4", "-H", f"{c.ips[0]}:2,{c.ips[1]}:2", "--grace-period-seconds", "2",
+                  *c.ssh_options(), "python", script])
+    try:
+        deadline = time.monotonic() + 120
+        while not all((marker / f"ready.{r}").exists() for r in range(4)):
+            assert time.monotonic() < deadline, "ranks did not start"
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.2)
+        victim = int((marker / "ready.3").read_text())
+        assert victim in c.pids(c.namespaces[1])  # rank 3 really runs on the second host
+        os.kill(victim, signal.SIGKILL)
+        began = time.monotonic()
+        code, out, err = finish(proc, timeout=60)
+    finally:
+        kill_session(proc.pid)
+    assert code == 128 + signal.SIGKILL, err
+    assert f"rank 3 on host {c.ips[1]} was killed by signal 9 (SIGKILL)" in err
+    assert time.monotonic() - began < 45
+    assert c.wait_until_clean() == []
+    assert not wait_until_gone(str(marker))
+
+
+def test_host_that_does_not_answer_ssh(netns_cluster, marker):
+    c = netns_cluster
+    code, out, err, seconds = run(["-H", f"{c.unused_ip}:1", "--start-timeout", "3",
+                                   *c.ssh_options(), "true"], timeout=60)
+    assert code != 0 and "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"hvdlike-run: error: host {c.unused_ip}: ")
+    assert seconds < 30
+
+
+def test_host_without_hvdlike(netns_cluster, marker):
+    c = netns_cluster
+    bare = marker / "bare-python"  # an interpreter that cannot see the installed packages
+    bare.write_text(f"#!/bin/sh\nexec {sys.executable} -S \"$@\"\n")
+    bare.chmod(0o755)
+    code, out, err, _ = run(["-H", f"{c.ips[0]}:1,{c.ips[1]}:1", "--remote-python", str(bare),
+                             *c.ssh_options(), "true"], timeout=60)
+    assert code != 0 and "Traceback" not in err
+    assert err.startswith("hvdlike-run: error: 2 of 2 hosts failed the pre-flight check:")
+    assert err.count("hvdlike is not installed") == 2
+    assert c.wait_until_clean() == []
