@@ -1,1 +1,50 @@
-"""hvdlike.keras (in progress)."""
+"""hvdlike.keras: Horovod's Keras API for Keras 3 on the torch or JAX backend.
+
+    import os
+    os.environ.setdefault("KERAS_BACKEND", "torch")    # or "jax"; before importing keras
+    import keras
+    import hvdlike.keras as hvd
+
+    hvd.init()
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.01 * hvd.size(), momentum=0.9))
+    model.compile(optimizer=opt, loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    model.fit(x_shard, y_shard, callbacks=[
+        hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+        hvd.callbacks.MetricAverageCallback(),
+        hvd.callbacks.LearningRateWarmupCallback(0.01 * hvd.size(), warmup_epochs=3),
+    ], verbose=1 if hvd.rank() == 0 else 0)
+
+Gradients are averaged by the backend's own front end (``hvdlike.torch`` or
+``hvdlike.jax``; on JAX from inside the jitted train step). No TensorFlow is
+needed. Knobs, errors and process sets are those of every other front end.
+"""
+
+from hvdlike.core.api import (
+    cross_rank, cross_size, init, is_homogeneous, is_initialized, local_rank, local_size, rank,
+    shutdown, size,
+)
+from hvdlike.core.errors import HorovodInternalError, HvdlikeInternalError, MismatchError
+from hvdlike.core.messages import ReduceOp
+from hvdlike.core.process_sets import ProcessSet, global_process_set
+from hvdlike.frontend import barrier, join
+from hvdlike.torch.objects import allgather_object, broadcast_object
+
+from . import callbacks
+from .backend import allgather, allreduce, broadcast, broadcast_variables, grouped_allreduce
+from .callbacks import (
+    BroadcastGlobalVariablesCallback, LearningRateWarmupCallback, MetricAverageCallback,
+)
+from .optimizer import DistributedOptimizer
+
+Average = ReduceOp.AVERAGE
+Sum = ReduceOp.SUM
+
+__all__ = [
+    "Average", "BroadcastGlobalVariablesCallback", "DistributedOptimizer",
+    "HorovodInternalError", "HvdlikeInternalError", "LearningRateWarmupCallback",
+    "MetricAverageCallback", "MismatchError", "ProcessSet", "Sum", "allgather",
+    "allgather_object", "allreduce", "barrier", "broadcast", "broadcast_object",
+    "broadcast_variables", "callbacks", "cross_rank", "cross_size", "global_process_set",
+    "grouped_allreduce", "init", "is_homogeneous", "is_initialized", "join", "local_rank",
+    "local_size", "rank", "shutdown", "size",
+]

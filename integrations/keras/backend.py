@@ -1,0 +1,88 @@
+"""Which front end carries Keras values: the one of Keras's backend.
+
+Keras 3 tensors are torch tensors on the torch backend and JAX arrays on the
+JAX backend, so gradients go through ``hvdlike.torch`` or ``hvdlike.jax``
+without conversion (and, on JAX, from inside the jitted train step). Numpy
+values (logs, variables read out for a broadcast) go through
+``hvdlike.numpy``. Other backends are refused with a clear message.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Optional, Sequence
+
+import keras
+import numpy as np
+
+from hvdlike.core import api
+from hvdlike.core.process_sets import global_process_set
+
+FRONTEND = "hvdlike.keras"
+SUPPORTED = ("torch", "jax")
+
+
+def backend_name() -> str:
+    return keras.backend.backend()
+
+
+def frontend_for(value: Any = None):
+    """The hvdlike module handling ``value`` (or the current backend's tensors)."""
+    if isinstance(value, (np.ndarray, np.generic)):
+        return importlib.import_module("hvdlike.numpy")
+    name = backend_name()
+    if name not in SUPPORTED:
+        raise TypeError(f"{FRONTEND} supports the Keras backends {', '.join(SUPPORTED)}; this "
+                        f"Keras runs on {name!r} (set KERAS_BACKEND=torch or KERAS_BACKEND=jax)")
+    return importlib.import_module(f"hvdlike.{name}")
+
+
+def allreduce(value, name: Optional[str] = None, op=None, process_set=global_process_set):
+    """Reduce a backend tensor or numpy array across ranks (default Average)."""
+    front = frontend_for(value)
+    return front.allreduce(value, name=name, op=front.Average if op is None else op,
+                           process_set=process_set)
+
+
+def grouped_allreduce(values: Sequence, name: Optional[str] = None, op=None,
+                      prescale_factor=1.0, postscale_factor=1.0,
+                      process_set=global_process_set) -> list:
+    """Reduce a list of backend tensors as one fused unit (works inside the jitted step)."""
+    front = frontend_for(values[0] if values else None)
+    return list(front.grouped_allreduce(list(values), name=name,
+                                        op=front.Average if op is None else op,
+                                        prescale_factor=prescale_factor,
+                                        postscale_factor=postscale_factor,
+                                        process_set=process_set))
+
+
+def allgather(value, name: Optional[str] = None, process_set=global_process_set):
+    """Concatenate every rank's tensor along dimension 0."""
+    return frontend_for(value).allgather(value, name=name, process_set=process_set)
+
+
+def broadcast(value, root_rank: int, name: Optional[str] = None,
+              process_set=global_process_set):
+    """Return ``root_rank``'s tensor on every rank."""
+    return frontend_for(value).broadcast(value, root_rank, name=name, process_set=process_set)
+
+
+def broadcast_variables(variables: Sequence, root_rank: int = 0, name: Optional[str] = None,
+                        process_set=global_process_set) -> None:
+    """Overwrite each Keras variable with ``root_rank``'s value, on every rank.
+
+    All variables travel in one negotiation; values cross as numpy arrays, so
+    this works the same on every backend.
+
+    Example:
+        >>> hvd.broadcast_variables(model.variables + optimizer.variables, root_rank=0)
+    """
+    import hvdlike.numpy as hnp
+
+    variables = list(variables)
+    base = name if name is not None else api.runtime().auto_name("keras_broadcast")
+    handles = [hnp.broadcast_async(np.asarray(keras.ops.convert_to_numpy(v.value)), root_rank,
+                                   name=f"{base}.{i}", process_set=process_set)
+               for i, v in enumerate(variables)]
+    for variable, handle in zip(variables, handles):
+        variable.assign(hnp.synchronize(handle))

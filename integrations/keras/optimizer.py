@@ -1,0 +1,87 @@
+"""DistributedOptimizer for Keras 3: average gradients across ranks, then apply.
+
+Keras funnels every update through ``optimizer.apply(grads, variables)``:
+``model.fit`` calls it directly on the torch backend and through
+``stateless_apply`` inside the jitted step on the JAX backend. The wrapper
+overrides ``apply`` in a subclass of the user's optimizer class, so both
+paths average the gradients -- in one grouped allreduce -- before the wrapped
+optimizer's own logic (loss scaling, accumulation, EMA...) runs.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from hvdlike.core import api
+from hvdlike.core.messages import ReduceOp
+from hvdlike.core.process_sets import global_process_set
+
+from .backend import FRONTEND, grouped_allreduce
+
+
+class _DistributedMixin:
+    """Put in front of an optimizer class; see :func:`DistributedOptimizer`."""
+
+    _hvd_settings = None
+
+    def apply(self, grads, trainable_variables=None):
+        grads = list(grads)
+        present = [i for i, g in enumerate(grads) if g is not None]
+        if present:
+            settings = self._hvd_settings
+            if settings["name"] is None:
+                settings["name"] = api.runtime().auto_name("keras_optimizer")
+            reduced = grouped_allreduce([grads[i] for i in present], name=settings["name"],
+                                        op=settings["op"], prescale_factor=settings["prescale"],
+                                        postscale_factor=settings["postscale"],
+                                        process_set=settings["process_set"])
+            for i, value in zip(present, reduced):
+                grads[i] = value
+        return super().apply(grads, trainable_variables)
+
+
+def DistributedOptimizer(optimizer, name: Optional[str] = None, op=ReduceOp.AVERAGE,
+                         gradient_predivide_factor: float = 1.0,
+                         process_set=global_process_set):
+    """A copy of ``optimizer`` (same class and config) that averages gradients first.
+
+    Args:
+        optimizer: a Keras 3 optimizer, not yet used for training (its
+            configuration is copied; its variables are not).
+        name: name of the grouped allreduce (default: chosen on the first
+            step, the same on every rank when ranks build optimizers in the
+            same order).
+        op: ``Average`` (default) or ``Sum``.
+        gradient_predivide_factor: with ``Average``, divide gradients by this
+            factor before the sum and by ``size / factor`` after it.
+        process_set: ranks to average over.
+
+    Raises:
+        TypeError: ``optimizer`` is not a Keras optimizer.
+        ValueError: ``gradient_predivide_factor`` with an op other than Average.
+
+    Example:
+        >>> opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.01 * hvd.size()))
+        >>> model.compile(optimizer=opt, loss="sparse_categorical_crossentropy")
+    """
+    import keras
+
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError(f"{FRONTEND}.DistributedOptimizer expects a keras.optimizers.Optimizer, "
+                        f"got {type(optimizer).__module__}.{type(optimizer).__qualname__}")
+    op = ReduceOp(op)
+    if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+        raise ValueError(f"{FRONTEND}.DistributedOptimizer: op must be Average or Sum, "
+                         f"got {op.name.title()}")
+    prescale = postscale = 1.0
+    if gradient_predivide_factor != 1.0:
+        if op != ReduceOp.AVERAGE:
+            raise ValueError(f"{FRONTEND}.DistributedOptimizer: gradient_predivide_factor "
+                             f"needs op=Average")
+        prescale, postscale = 1.0 / gradient_predivide_factor, gradient_predivide_factor
+    base = type(optimizer)
+    cls = type(base.__name__, (_DistributedMixin, base), {"__module__": base.__module__})
+    wrapped = cls.from_config(optimizer.get_config())
+    wrapped._hvd_settings = {"name": name, "op": op, "prescale": prescale,
+                             "postscale": postscale, "process_set": process_set}
+    return wrapped
