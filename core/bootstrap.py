@@ -196,22 +196,37 @@ def local_address_towards(addr: str, port: int) -> str:
         return ""
 
 
+# The store server this process hosts, by (addr, port): further connect_store()
+# calls of the hosting rank join it as clients instead of binding the port again.
+# Held strongly (wrappers such as PrefixStore keep only the C++ object alive);
+# hosting a new one releases the previous, so re-inits never pile servers up.
+_hosted: dict = {}
+
+
 def connect_store(topo: Topology, rdzv: Rendezvous, timeout_seconds: float):
-    """Connect to (or host) the job's store; return it wrapped in the job prefix."""
+    """Connect to (or host) the job's store; return it wrapped in the job prefix.
+
+    May be called several times per process (one connection per user); only the
+    first call of the hosting rank creates the server.
+    """
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=timeout_seconds)
     if topo.size == 1 and not rdzv.addr:
         return dist.HashStore()
+    host = rdzv.host_store and topo.rank == 0 and (rdzv.addr, rdzv.port) not in _hosted
     try:
         store = dist.TCPStore(
             rdzv.addr,
             rdzv.port,
             topo.size,
-            rdzv.host_store and topo.rank == 0,
+            host,
             timeout=timeout,
             wait_for_workers=False,
         )
+        if host:
+            _hosted.clear()
+            _hosted[(rdzv.addr, rdzv.port)] = store
     except Exception as exc:  # torch raises RuntimeError/DistStoreError/TimeoutError
         raise HvdlikeInternalError(
             f"rank {topo.rank} could not reach the rendezvous store at "

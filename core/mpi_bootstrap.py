@@ -14,6 +14,7 @@ hosts the store on a port derived from the job and step ids (or
 from __future__ import annotations
 
 import importlib.util
+import random
 import re
 import secrets
 import socket
@@ -79,8 +80,34 @@ def _int(environ: Mapping[str, str], name: str) -> int:
         raise ConfigError(f"{name}={text!r} is not valid: expected an integer") from None
 
 
+def _ephemeral_range() -> Tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as handle:
+            low, high = (int(x) for x in handle.read().split())
+            return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def _free_port(addr: str) -> int:
-    with socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET) as probe:
+    """A port free on ``addr``, below the ephemeral range.
+
+    Other ranks start connecting before rank 0 listens; a client retrying a
+    loopback port inside the ephemeral range can end up connected to itself
+    (TCP self-connect), which then steals the port from the store.
+    """
+    low, _ = _ephemeral_range()
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    candidates = list(range(max(1024, low - 12000), low))
+    random.shuffle(candidates)
+    for port in candidates[:200]:
+        with socket.socket(family) as probe:
+            try:
+                probe.bind((addr, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(family) as probe:
         probe.bind((addr, 0))
         return probe.getsockname()[1]
 
@@ -185,7 +212,8 @@ def _from_slurm(environ: Mapping[str, str]):
     if "MASTER_PORT" in environ:
         port = _int(environ, "MASTER_PORT")
     else:
-        port = 20000 + (int(job) * 131 + int(step)) % 20000 if job.isdigit() and step.isdigit() \
+        # Below the usual ephemeral range (see _free_port), stable for the whole step.
+        port = 20000 + (int(job) * 131 + int(step)) % 12000 if job.isdigit() and step.isdigit() \
             else 29500
     return topo, Rendezvous(launcher="srun", addr=addr, port=port,
                             secret=f"slurm-{job}-{step}", host_store=rank == 0,
