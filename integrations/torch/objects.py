@@ -10,7 +10,7 @@ import cloudpickle
 import torch
 
 from hvdlike.core import api
-from hvdlike.core.process_sets import global_process_set
+from hvdlike.core.process_sets import global_process_set, resolve
 
 from . import ops
 
@@ -25,7 +25,7 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set
     Example:
         >>> epoch = hvd.broadcast_object(epoch if hvd.rank() == 0 else None, root_rank=0)
     """
-    name = name or api.runtime().auto_name("broadcast_object")
+    name = name or api.runtime().auto_name("broadcast_object", resolve(process_set))
     me = api.rank()  # root_rank is a global rank, as in Horovod
     payload = _to_tensor(obj) if me == root_rank else None
     length = torch.tensor([payload.numel() if payload is not None else 0], dtype=torch.int64)
@@ -37,7 +37,7 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set
 
 def allgather_object(obj, name=None, process_set=global_process_set) -> list:
     """Return the list of every rank's ``obj``, in rank order."""
-    name = name or api.runtime().auto_name("allgather_object")
+    name = name or api.runtime().auto_name("allgather_object", resolve(process_set))
     payload = _to_tensor(obj)
     sizes = ops.allgather(torch.tensor([payload.numel()], dtype=torch.int64),
                           name=f"{name}.size", process_set=process_set)

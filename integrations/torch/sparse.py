@@ -54,7 +54,7 @@ def sparse_allreduce_async(tensor, name=None, op=ops.Average,
     if op not in (ops.Average, ops.Sum):
         raise ValueError(f"sparse_allreduce_async supports op Average or Sum, got {op.name.title()}")
     if name is None:
-        name = ops._name(None, "sparse_allreduce")
+        name = ops._name(None, "sparse_allreduce", process_set)
     t = tensor.coalesce()
     # Gather (nnz, sparse_dim) index rows so ranks may hold different nnz.
     indices = t.indices().t().contiguous()
