@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import List, NoReturn, Optional, Sequence
+from typing import NoReturn, Optional, Sequence
 
 from hvdlike.core import config as core_config
 

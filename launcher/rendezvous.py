@@ -13,7 +13,7 @@ import ipaddress
 import secrets
 import socket
 from functools import lru_cache
-from typing import Iterable, List, Optional, Tuple
+from typing import Iterable, List, Tuple
 
 from hvdlike.core.bootstrap import local_address_towards
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from .conftest import marker, run  # noqa: F401 - fixture
+from .conftest import run
 
 
 @pytest.mark.parametrize("args, reason", [
@@ -21,9 +21,8 @@ from .conftest import marker, run  # noqa: F401 - fixture
     (["--hostfile", "/nonexistent/hostfile", "python"], "cannot read hostfile"),
 ])
 def test_bad_input(args, reason, marker):
-    code, out, err, seconds = run(args, timeout=60)
+    code, out, err, _ = run(args, timeout=60)  # a hang fails the test
     assert code != 0
-    assert seconds < 40  # generous: CI machines are shared; idle, this takes ~2 s
     assert "Traceback" not in err + out
     lines = err.strip().splitlines()
     assert len(lines) == 1, err

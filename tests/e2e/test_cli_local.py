@@ -2,7 +2,7 @@
 
 import os
 
-from .conftest import marker, run, write_script  # noqa: F401 - fixture
+from .conftest import run, write_script
 
 ALLREDUCE = """
     import sys
@@ -21,7 +21,7 @@ ALLREDUCE = """
 
 def test_two_ranks_allreduce_with_prefixed_separate_streams(marker):
     script = write_script(marker, "job.py", ALLREDUCE)
-    code, out, err, seconds = run(["-np", "2", "python", script], timeout=90)
+    code, out, err, _ = run(["-np", "2", "python", script], timeout=90)
     assert code == 0, err
     for rank in (0, 1):
         assert f"[{rank}]<stdout>:rank={rank} size=2 local={rank}/2 cross=0/1 sum=3" in out

@@ -4,7 +4,7 @@ import shutil
 
 import pytest
 
-from .conftest import marker, run, write_script  # noqa: F401 - fixture
+from .conftest import run, write_script
 
 pytest.importorskip("mpi4py", reason="needs mpi4py (pip install 'hvdlike[mpi]')")
 if shutil.which("mpirun") is None:
