@@ -244,7 +244,12 @@ class Runtime:
         if self._thread is not None and self._thread is not threading.current_thread():
             limit = timeout if timeout is not None else self.config.gloo_timeout_seconds + 5
             self._thread.join(limit)
-        self._stopped.wait(1.0)
+        if self._stopped.wait(1.0):
+            # Break the runtime <-> executor/health reference cycles so sockets
+            # and threads are released now, not whenever the cyclic GC runs.
+            self.process_sets = {}
+            self.health = None
+            self.store = None
 
     @property
     def running(self) -> bool:
