@@ -26,6 +26,11 @@ from .log import configure as configure_logging, logger
 from .tensor_queue import Entry, TensorQueue
 from .transport import GlooControlPlane, Groups
 
+# Idle back-off of the background loop (see Runtime._loop).
+_IDLE_CYCLES_BEFORE_BACKOFF = 8
+_IDLE_PAUSE_MAX_SECONDS = 0.05
+_SUBSET_POLL_SECONDS = 0.002
+
 _generation = 0  # init() count in this process; names store keys of each init apart
 _generation_lock = threading.Lock()
 
@@ -363,18 +368,45 @@ class Runtime:
 
     def _loop(self) -> None:
         cycle_seconds = self.config.cycle_time / 1000.0
+        idle_cycles = 0
         try:
             while self.fatal is None:
                 started = time.monotonic()
                 if self._cycle_all():
                     break
-                remaining = cycle_seconds - (time.monotonic() - started)
+                # Idle back-off: with nothing pending here, each further idle
+                # cycle doubles the pause (up to _IDLE_PAUSE_MAX_SECONDS), so a
+                # rank that only computes stops burning a control collective per
+                # millisecond. A submission wakes the loop at once; a peer that
+                # needs this rank meanwhile just waits in its control collective.
+                idle = all(s.controller.idle for s in self.process_sets.values())
+                idle_cycles = idle_cycles + 1 if idle else 0
+                pause = cycle_seconds
+                if idle_cycles > _IDLE_CYCLES_BEFORE_BACKOFF:
+                    pause = min(_IDLE_PAUSE_MAX_SECONDS, max(cycle_seconds, 1e-3) * 2 ** min(
+                        idle_cycles - _IDLE_CYCLES_BEFORE_BACKOFF, 16))
+                remaining = pause - (time.monotonic() - started)
                 if remaining > 0:
-                    self.process_sets[0].queue.wakeup.wait(remaining)
+                    self._pause(remaining)
         except BaseException as exc:
             self._explain(exc)
         finally:
             self._teardown()
+
+    def _pause(self, seconds: float) -> None:
+        """Sleep up to ``seconds``; a submission to any process set ends it."""
+        states = self.process_sets
+        main = states[0].queue.wakeup
+        if len(states) == 1:
+            main.wait(seconds)
+            return
+        others = [s.queue.wakeup for k, s in states.items() if k != 0]
+        deadline = time.monotonic() + seconds
+        while not main.is_set() and not any(e.is_set() for e in others):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            main.wait(min(left, _SUBSET_POLL_SECONDS))
 
     def _cycle_all(self) -> bool:
         """One cycle over every process set; True once the job shuts down.
