@@ -18,6 +18,7 @@ round is open does nothing: the gradients are already reduced.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import warnings
 from typing import Dict, Iterable, List, Optional, Tuple
 
@@ -57,6 +58,10 @@ class _Distributed:
             self._hvd_prescale = self._hvd_postscale = 1.0
         self._hvd_names: Dict[torch.Tensor, str] = {}
         self._hvd_user_names = _check_named_parameters(named_parameters, self.param_groups)
+        # Two optimizers (a GAN's) may both own "0.weight": the second and later
+        # ones prefix their names. Build them in the same order on every rank.
+        index = next(_instances)
+        self._hvd_prefix = "" if index == 0 else f"opt{index}."
         self._hvd_hooks = {}
         self._hvd_passes: Dict[torch.Tensor, int] = {}
         self._hvd_handles: Dict[object, tuple] = {}  # param (or group index) -> pending work
@@ -76,7 +81,7 @@ class _Distributed:
     def _hvd_register_all(self) -> None:
         for gi, pi, p in self._hvd_params():
             if p not in self._hvd_names:
-                self._hvd_names[p] = self._hvd_user_names.get(
+                self._hvd_names[p] = self._hvd_prefix + self._hvd_user_names.get(
                     p, f"DistributedOptimizer.noname.{gi}.{pi}")
             if p.requires_grad and p not in self._hvd_hooks:
                 self._hvd_hooks[p] = p.register_post_accumulate_grad_hook(self._hvd_hook)
@@ -255,6 +260,7 @@ class _Distributed:
 
 
 _CLASSES: Dict[type, type] = {}
+_instances = itertools.count()
 
 
 def _distributed_class(cls: type) -> type:

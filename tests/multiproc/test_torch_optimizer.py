@@ -226,6 +226,26 @@ def _scenarios():
     opt.step()
     out["after_load.params"] = flat(model)
 
+    # Two optimizers whose models share parameter names, reduced in the same backward.
+    X, Y = data(n * B)
+    res = []
+    for distributed in (True, False):
+        gen, disc = mlp(), nn.Sequential(nn.Linear(2, 1))
+        opts = [torch.optim.SGD(gen.parameters(), lr=0.1), torch.optim.SGD(disc.parameters(),
+                                                                           lr=0.1)]
+        if distributed:
+            opts = [hvd.DistributedOptimizer(o, named_parameters=m.named_parameters())
+                    for o, m in zip(opts, (gen, disc))]
+        for t in range(3):
+            for o in opts:
+                o.zero_grad()
+            x = X[t, r * B:(r + 1) * B] if distributed else X[t]
+            disc(gen(x)).pow(2).mean().backward()
+            for o in opts:
+                o.step()
+        res.append(torch.cat([flat(gen), flat(disc)]))
+    out["two_opts.diff"] = float((res[0] - res[1]).abs().max())
+
     hvd.shutdown()
     return out
 
@@ -301,3 +321,8 @@ def test_state_dict_round_trip_and_zero_grad(results):
         assert out["zero_grad_zeros"]
         assert out["state_steps"] == [1.0] * 4
     assert torch.equal(results[0]["after_load.params"], results[1]["after_load.params"])
+
+
+def test_two_optimizers_with_the_same_parameter_names(results):
+    for out in results:
+        assert out["two_opts.diff"] < 1e-6
