@@ -21,18 +21,20 @@ def _run():
     g = torch.Generator().manual_seed(5)
 
     # -- SyncBatchNorm: uneven batches, 2-D and 4-D inputs, two steps, then eval
-    for label, shape_of in (("bn1d", lambda b: (b, 3)), ("bn2d", lambda b: (b, 3, 2, 2))):
+    for label, shape_of, momentum in (("bn1d", lambda b: (b, 3), 0.3),
+                                      ("bn2d", lambda b: (b, 3, 2, 2), 0.3),
+                                      ("bn1d_cumulative", lambda b: (b, 3, 4), None)):
         sizes = [2 + q for q in range(n)]  # rank q holds 2 + q samples
         xs = [torch.randn(*shape_of(s), generator=g, dtype=torch.float64) for s in sizes]
         ws = [torch.randn(*shape_of(s), generator=g, dtype=torch.float64) for s in sizes]
-        kind = nn.BatchNorm1d if label == "bn1d" else nn.BatchNorm2d
+        kind = nn.BatchNorm2d if label == "bn2d" else nn.BatchNorm1d
         torch.manual_seed(0)
-        ref = kind(3, momentum=0.3).double()
+        ref = kind(3, momentum=momentum).double()
         with torch.no_grad():
             ref.weight.uniform_(0.5, 1.5)
             ref.bias.uniform_(-0.5, 0.5)
         sync = hvd.SyncBatchNorm.convert_sync_batchnorm(
-            nn.Sequential(kind(3, momentum=0.3).double()))[0]
+            nn.Sequential(kind(3, momentum=momentum).double()))[0]
         sync.load_state_dict(ref.state_dict())
         diffs = []
         for _ in range(2):
@@ -104,7 +106,7 @@ def results():
     return run_ranks(_run, np=2, timeout=120)
 
 
-@pytest.mark.parametrize("label", ["bn1d", "bn2d"])
+@pytest.mark.parametrize("label", ["bn1d", "bn2d", "bn1d_cumulative"])
 def test_sync_batch_norm_equals_batch_norm_on_the_concatenated_batch(results, label):
     for out in results:
         assert out[label] < 1e-10, out[label]
