@@ -27,6 +27,10 @@ class SparseHandle(ops.GroupHandle):
         self._average = average
         self._size = size
 
+    def __call__(self) -> torch.Tensor:
+        """Wait and return the result: Horovod's sparse handle is a callable."""
+        return ops.synchronize(self)
+
     def result(self, results: List[Any]) -> torch.Tensor:
         indices, values = results
         if self._average:
