@@ -227,3 +227,22 @@ def test_sync_batch_norm_on_one_rank_is_batch_norm():
         sync(torch.randn(2, 4))
     with pytest.raises(ValueError, match="at least 2 dimensions"):
         sync(torch.randn(3))
+
+
+def test_reductions_start_during_backward_not_at_step():
+    m = _model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                   named_parameters=m.named_parameters())
+    launched_during_backward = []
+
+    def probe(_grad):
+        # Runs when the first layer's weight gradient is computed, which is
+        # after the last layer's gradients are complete: those are in flight.
+        launched_during_backward.append(len(opt._hvd_handles))
+
+    m[0].weight.register_hook(probe)
+    _loss(m).backward()
+    assert launched_during_backward and launched_during_backward[0] >= 2
+    assert len(opt._hvd_handles) == 4  # every gradient was submitted before step()
+    opt.step()
+    assert opt._hvd_handles == {}
