@@ -126,7 +126,7 @@ class ArrayOps:
     # -- allreduce -----------------------------------------------------------------------
 
     def _allreduce_entries(self, values, name, op, prescale_factor, postscale_factor,
-                           inplace, grouped):
+                           inplace, grouped, process_set):
         what = base = "grouped_allreduce" if grouped else "allreduce"
         op = self._check_op(op, what)
         if inplace:
@@ -138,10 +138,10 @@ class ArrayOps:
                       inplace=inplace)
         if grouped:
             entries = self._build(what, lambda: core.grouped(
-                core.allreduce_entry, tensors, name_for(name, base), what, **kwargs))
+                core.allreduce_entry, tensors, name_for(name, base, process_set), what, **kwargs))
         else:
             entries = [self._build(what, lambda: core.allreduce_entry(
-                tensors[0], name_for(name, base), **kwargs))]
+                tensors[0], name_for(name, base, process_set), **kwargs))]
         return [self._convert(e, v, inplace) for e, v in zip(entries, items)]
 
     def allreduce_async(self, tensor, name: Optional[str] = None, op=Average,
@@ -149,7 +149,7 @@ class ArrayOps:
                         process_set=global_process_set) -> Handle:
         """Start an allreduce of ``tensor``; returns a handle for ``synchronize``."""
         entries = self._allreduce_entries(tensor, name, op, prescale_factor, postscale_factor,
-                                          False, False)
+                                          False, False, process_set)
         return self._submit(entries, process_set)[0]
 
     def allreduce(self, tensor, name: Optional[str] = None, op=Average, prescale_factor=1.0,
@@ -168,7 +168,7 @@ class ArrayOps:
                          process_set=global_process_set) -> Handle:
         """In-place :meth:`allreduce_async`: the result overwrites ``tensor``."""
         entries = self._allreduce_entries(tensor, name, op, prescale_factor, postscale_factor,
-                                          True, False)
+                                          True, False, process_set)
         return self._submit(entries, process_set)[0]
 
     def allreduce_(self, tensor, name: Optional[str] = None, op=Average, prescale_factor=1.0,
@@ -182,7 +182,7 @@ class ArrayOps:
                                 process_set=global_process_set) -> GroupHandle:
         """Start reducing a list of arrays as one unit (negotiated and fused together)."""
         entries = self._allreduce_entries(tensors, name, op, prescale_factor, postscale_factor,
-                                          False, True)
+                                          False, True, process_set)
         return GroupHandle(self._submit(entries, process_set))
 
     def grouped_allreduce(self, tensors, name: Optional[str] = None, op=Average,
@@ -196,7 +196,7 @@ class ArrayOps:
                                  prescale_factor=1.0, postscale_factor=1.0,
                                  process_set=global_process_set) -> GroupHandle:
         entries = self._allreduce_entries(tensors, name, op, prescale_factor, postscale_factor,
-                                          True, True)
+                                          True, True, process_set)
         return GroupHandle(self._submit(entries, process_set))
 
     def grouped_allreduce_(self, tensors, name: Optional[str] = None, op=Average,
@@ -213,7 +213,7 @@ class ArrayOps:
         """Start gathering ``tensor`` from every rank along dimension 0."""
         t = self._tensor(tensor, "allgather")
         entry = self._build("allgather", lambda: core.allgather_entry(
-            t, name_for(name, "allgather")))
+            t, name_for(name, "allgather", process_set)))
         return self._submit([self._convert(entry, tensor)], process_set)[0]
 
     def allgather(self, tensor, name: Optional[str] = None, process_set=global_process_set):
@@ -226,7 +226,7 @@ class ArrayOps:
         items = self._list(tensors, what)
         ts = [self._tensor(v, what) for v in items]
         entries = self._build(what, lambda: core.grouped(
-            core.allgather_entry, ts, name_for(name, what), what))
+            core.allgather_entry, ts, name_for(name, what, process_set), what))
         return GroupHandle(self._submit([self._convert(e, v) for e, v in zip(entries, items)],
                                         process_set))
 
@@ -244,7 +244,7 @@ class ArrayOps:
         t = self._tensor(tensor, what, inplace)
         # root_rank is a global rank, as in Horovod; the runtime maps it into the set.
         entry = self._build(what, lambda: core.broadcast_entry(
-            t, root_rank, api.size(), name_for(name, "broadcast"), inplace=inplace))
+            t, root_rank, api.size(), name_for(name, "broadcast", process_set), inplace=inplace))
         return self._submit([self._convert(entry, tensor, inplace)], process_set)[0]
 
     def broadcast_async(self, tensor, root_rank: int, name: Optional[str] = None,
@@ -275,7 +275,7 @@ class ArrayOps:
         if splits is not None and not isinstance(splits, (list, tuple, torch.Tensor)):
             splits = [int(s) for s in _flat(splits)]
         entry = self._build("alltoall", lambda: core.alltoall_entry(
-            t, splits, set_size(process_set), name_for(name, "alltoall")))
+            t, splits, set_size(process_set), name_for(name, "alltoall", process_set)))
         convert = self.adapter.from_torch
         if splits is None:
             _chain(entry, lambda result: convert(result[0], tensor))
@@ -302,7 +302,7 @@ class ArrayOps:
         """Start a reducescatter: reduce across ranks, keep this rank's slice of dim 0."""
         t = self._tensor(tensor, "reducescatter")
         entry = self._build("reducescatter", lambda: core.reducescatter_entry(
-            t, name_for(name, "reducescatter"), op, prescale_factor, postscale_factor))
+            t, name_for(name, "reducescatter", process_set), op, prescale_factor, postscale_factor))
         return self._submit([self._convert(entry, tensor)], process_set)[0]
 
     def reducescatter(self, tensor, name: Optional[str] = None, op=Average,
@@ -321,7 +321,7 @@ class ArrayOps:
         items = self._list(tensors, what)
         ts = [self._tensor(v, what) for v in items]
         entries = self._build(what, lambda: core.grouped(
-            core.reducescatter_entry, ts, name_for(name, what), what, op=op,
+            core.reducescatter_entry, ts, name_for(name, what, process_set), what, op=op,
             prescale_factor=prescale_factor, postscale_factor=postscale_factor))
         return GroupHandle(self._submit([self._convert(e, v) for e, v in zip(entries, items)],
                                         process_set))

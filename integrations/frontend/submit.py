@@ -10,11 +10,11 @@ handles.
 from __future__ import annotations
 
 import threading
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from hvdlike.core import api
 from hvdlike.core import collectives as core
-from hvdlike.core.errors import DuplicateNameError
+from hvdlike.core.errors import DuplicateNameError, HvdlikeInternalError
 from hvdlike.core.handles import Handle
 from hvdlike.core.process_sets import global_process_set, resolve
 
@@ -36,12 +36,30 @@ class GroupHandle:
     def done(self) -> bool:
         return all(h.done() for h in self.handles)
 
+    def result(self, results: List[Any]) -> Any:
+        """What :func:`synchronize` returns, given each member's result."""
+        return results
+
 
 def poll(handle) -> bool:
     """True when the collective behind ``handle`` has completed (never blocks)."""
     if isinstance(handle, (Handle, GroupHandle)):
         return handle.done()
     raise TypeError(f"poll expects a handle returned by an *_async call, got {type(handle).__name__}")
+
+
+def wait(handle: Handle, timeout: Optional[float] = None):
+    """Wait for one handle; after ``shutdown()`` only already-completed handles return."""
+    current = api._runtime
+    if current is not None:
+        return current.wait(handle, timeout)
+    # shutdown() completed every pending handle with HvdlikeInternalError (Horovod's
+    # HorovodInternalError), which waiting raises here; a handle it did not know
+    # cannot complete any more.
+    if not handle.done():
+        raise HvdlikeInternalError(f"collective {handle.name!r} cannot complete: hvdlike has "
+                                   f"been shut down")
+    return handle.wait(timeout=timeout)
 
 
 def synchronize(handle, timeout: Optional[float] = None):
@@ -51,19 +69,22 @@ def synchronize(handle, timeout: Optional[float] = None):
     disagreed, ``HvdlikeInternalError`` when the job broke, ``TimeoutError``
     after ``timeout`` seconds.
     """
-    runtime = api.runtime()
     if isinstance(handle, GroupHandle):
-        return [runtime.wait(h, timeout) for h in handle.handles]
+        return handle.result([wait(h, timeout) for h in handle.handles])
     if isinstance(handle, Handle):
-        return runtime.wait(handle, timeout)
+        return wait(handle, timeout)
     raise TypeError(
         f"synchronize expects a handle returned by an *_async call, got {type(handle).__name__}")
 
 
-def name_for(name: Optional[str], op: str) -> str:
-    """``name`` checked, or the next automatic name for ``op`` (same on every rank)."""
+def name_for(name: Optional[str], op: str, process_set=global_process_set) -> str:
+    """``name`` checked, or the next automatic name for ``op`` in ``process_set``.
+
+    Automatic names are counted per process set, so the members of a set
+    agree on them whatever ranks outside the set do.
+    """
     if name is None:
-        return api.runtime().auto_name(op)
+        return api.runtime().auto_name(op, resolve(process_set))
     if not isinstance(name, str):
         raise TypeError(f"{op}: name must be a str, got {type(name).__name__}")
     return name
@@ -113,7 +134,7 @@ def submit(entries, process_set, frontend: str) -> List[Handle]:
 
 def barrier(process_set=global_process_set) -> None:
     """Block until every rank of ``process_set`` reaches the barrier."""
-    entry = core.barrier_entry(name_for(None, "barrier"))
+    entry = core.barrier_entry(name_for(None, "barrier", process_set))
     synchronize(submit([entry], process_set, "hvdlike")[0])
 
 

@@ -25,7 +25,7 @@ from hvdlike.core import api
 from hvdlike.core.messages import ReduceOp
 from hvdlike.core.process_sets import global_process_set
 from hvdlike.frontend import ArrayOps
-from hvdlike.frontend.submit import set_size
+from hvdlike.frontend.submit import name_for, set_size
 
 from .convert import FRONTEND, JaxAdapter, is_traced
 
@@ -54,8 +54,8 @@ def _spec(value, shape=None) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(tuple(value.shape) if shape is None else shape, value.dtype)
 
 
-def _trace_name(name: Optional[str], op: str) -> str:
-    return name if name is not None else api.runtime().auto_name(op)
+def _trace_name(name: Optional[str], op: str, process_set) -> str:
+    return name_for(name, op, process_set)
 
 
 def allreduce(tensor, name: Optional[str] = None, op=Average, prescale_factor=1.0,
@@ -67,7 +67,7 @@ def allreduce(tensor, name: Optional[str] = None, op=Average, prescale_factor=1.
     """
     if not is_traced(tensor):
         return grid.allreduce(tensor, name, op, prescale_factor, postscale_factor, process_set)
-    name = _trace_name(name, "allreduce")
+    name = _trace_name(name, "allreduce", process_set)
     return _staged(lambda xs: [grid.allreduce(xs[0], name, op, prescale_factor, postscale_factor,
                                              process_set)], [tensor], [_spec(tensor)])[0]
 
@@ -79,7 +79,7 @@ def grouped_allreduce(tensors, name: Optional[str] = None, op=Average, prescale_
     if not _any_traced(tensors):
         return grid.grouped_allreduce(tensors, name, op, prescale_factor, postscale_factor,
                                      process_set)
-    name = _trace_name(name, "grouped_allreduce")
+    name = _trace_name(name, "grouped_allreduce", process_set)
     return _staged(lambda xs: grid.grouped_allreduce(xs, name, op, prescale_factor,
                                                     postscale_factor, process_set),
                    tensors, [_spec(t) for t in tensors])
@@ -90,7 +90,7 @@ def broadcast(tensor, root_rank: int, name: Optional[str] = None,
     """Return ``root_rank``'s ``tensor`` on every rank; works inside ``jax.jit``."""
     if not is_traced(tensor):
         return grid.broadcast(tensor, root_rank, name, process_set)
-    name = _trace_name(name, "broadcast")
+    name = _trace_name(name, "broadcast", process_set)
     return _staged(lambda xs: [grid.broadcast(xs[0], root_rank, name, process_set)],
                    [tensor], [_spec(tensor)])[0]
 
@@ -103,7 +103,7 @@ def allgather(tensor, name: Optional[str] = None, process_set=global_process_set
     """
     if not is_traced(tensor):
         return grid.allgather(tensor, name, process_set)
-    name = _trace_name(name, "allgather")
+    name = _trace_name(name, "allgather", process_set)
     shape = tuple(tensor.shape) or (1,)
     out = (shape[0] * set_size(process_set),) + shape[1:]
     return _staged(lambda xs: [grid.allgather(xs[0], name, process_set)],
@@ -121,7 +121,7 @@ def alltoall(tensor, splits=None, name: Optional[str] = None, process_set=global
     if splits is not None:
         raise ValueError(f"{FRONTEND}.alltoall: splits are not supported inside jax.jit "
                          f"(the received shape would depend on other ranks)")
-    name = _trace_name(name, "alltoall")
+    name = _trace_name(name, "alltoall", process_set)
     return _staged(lambda xs: [grid.alltoall(xs[0], None, name, process_set)],
                    [tensor], [_spec(tensor)])[0]
 
@@ -132,7 +132,7 @@ def reducescatter(tensor, name: Optional[str] = None, op=Average, process_set=gl
     if not is_traced(tensor):
         return grid.reducescatter(tensor, name, op, process_set, prescale_factor,
                                  postscale_factor)
-    name = _trace_name(name, "reducescatter")
+    name = _trace_name(name, "reducescatter", process_set)
     size = set_size(process_set)
     me = process_set.rank() if process_set is not None else api.rank()
     first = tensor.shape[0] if tensor.shape else 1

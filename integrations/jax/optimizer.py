@@ -19,9 +19,9 @@ from typing import Optional
 
 import optax
 
-from hvdlike.core import api
 from hvdlike.core.messages import ReduceOp
 from hvdlike.core.process_sets import global_process_set
+from hvdlike.frontend.submit import name_for
 
 from .pytree import allreduce_pytree
 
@@ -61,7 +61,7 @@ def allreduce_gradients(op=ReduceOp.AVERAGE, name: Optional[str] = None,
     def update_fn(updates, state, params=None):
         del params
         if chosen[0] is None:
-            chosen[0] = api.runtime().auto_name("allreduce_gradients")
+            chosen[0] = name_for(None, "allreduce_gradients", process_set)
         reduced = allreduce_pytree(updates, chosen[0], op, prescale, postscale, process_set)
         return reduced, state
 

@@ -14,9 +14,9 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
-from hvdlike.core import api
 from hvdlike.core.process_sets import global_process_set
 from hvdlike.frontend import synchronize
+from hvdlike.frontend.submit import name_for
 from hvdlike.torch.objects import broadcast_object
 
 from . import ops
@@ -50,7 +50,7 @@ def broadcast_pytree(tree: Any, root_rank: int = 0, name: Optional[str] = None,
     if any(is_traced(leaf) for leaf in leaves):
         raise TypeError(f"{FRONTEND}.broadcast_pytree cannot run inside jax.jit; broadcast "
                         f"the initial state once, before the training step")
-    base = name if name is not None else api.runtime().auto_name("broadcast_pytree")
+    base = name_for(name, "broadcast_pytree", process_set)
     arrays = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
     handles = [ops.grid.broadcast_async(leaves[i], root_rank, f"{base}.{i}", process_set)
                for i in arrays]

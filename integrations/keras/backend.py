@@ -15,8 +15,8 @@ from typing import Any, Optional, Sequence
 import keras
 import numpy as np
 
-from hvdlike.core import api
 from hvdlike.core.process_sets import global_process_set
+from hvdlike.frontend.submit import name_for
 
 FRONTEND = "hvdlike.keras"
 SUPPORTED = ("torch", "jax")
@@ -80,7 +80,7 @@ def broadcast_variables(variables: Sequence, root_rank: int = 0, name: Optional[
     import hvdlike.numpy as hnp
 
     variables = list(variables)
-    base = name if name is not None else api.runtime().auto_name("keras_broadcast")
+    base = name_for(name, "keras_broadcast", process_set)
     handles = [hnp.broadcast_async(np.asarray(keras.ops.convert_to_numpy(v.value)), root_rank,
                                    name=f"{base}.{i}", process_set=process_set)
                for i, v in enumerate(variables)]

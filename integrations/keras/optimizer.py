@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-from hvdlike.core import api
 from hvdlike.core.messages import ReduceOp
 from hvdlike.core.process_sets import global_process_set
+from hvdlike.frontend.submit import name_for
 
 from .backend import FRONTEND, grouped_allreduce
 
@@ -30,7 +30,7 @@ class _DistributedMixin:
         if present:
             settings = self._hvd_settings
             if settings["name"] is None:
-                settings["name"] = api.runtime().auto_name("keras_optimizer")
+                settings["name"] = name_for(None, "keras_optimizer", settings["process_set"])
             reduced = grouped_allreduce([grads[i] for i in present], name=settings["name"],
                                         op=settings["op"], prescale_factor=settings["prescale"],
                                         postscale_factor=settings["postscale"],

@@ -15,10 +15,13 @@ from __future__ import annotations
 from typing import Any, List, Optional
 
 from hvdlike.core import api, collectives as core
-from hvdlike.core.errors import HvdlikeInternalError
 from hvdlike.core.handles import Handle
 from hvdlike.core.messages import ReduceOp
-from hvdlike.core.process_sets import global_process_set, resolve
+from hvdlike.core.process_sets import global_process_set
+from hvdlike.frontend.submit import (  # noqa: F401  (shared by every front end)
+    GroupHandle, barrier, join, name_for as _name, poll, set_size as _set_size, submit,
+    synchronize, wait as _wait,
+)
 
 from .compression import Compression
 
@@ -30,23 +33,6 @@ Max = ReduceOp.MAX
 Product = ReduceOp.PRODUCT
 
 
-class GroupHandle:
-    """Handle of a grouped collective: completes when every member has."""
-
-    def __init__(self, handles: List[Handle]):
-        self.handles = handles
-
-    def __repr__(self) -> str:
-        return f"<hvdlike GroupHandle of {len(self.handles)}>"
-
-    def done(self) -> bool:
-        return all(h.done() for h in self.handles)
-
-    def result(self, results: List[Any]) -> Any:
-        """What :func:`synchronize` returns, given each member's result."""
-        return results
-
-
 def _reduce_op(average: Optional[bool], op: Any, what: str) -> ReduceOp:
     if average is not None:
         if op is not None:
@@ -56,52 +42,7 @@ def _reduce_op(average: Optional[bool], op: Any, what: str) -> ReduceOp:
 
 
 def _submit(entries, process_set):
-    runtime = api.runtime()
-    return runtime.submit(entries, resolve(process_set))
-
-
-def _name(name: Optional[str], op: str, process_set=global_process_set) -> str:
-    if name is None:
-        # Counted per process set: members of one set must agree on the names
-        # whatever the ranks outside it do.
-        return api.runtime().auto_name(op, resolve(process_set))
-    if not isinstance(name, str):
-        raise TypeError(f"{op}: name must be a str, got {type(name).__name__}")
-    return name
-
-
-def poll(handle) -> bool:
-    """True when the collective behind ``handle`` has completed (never blocks)."""
-    if isinstance(handle, (Handle, GroupHandle)):
-        return handle.done()
-    raise TypeError(f"poll expects a handle returned by an *_async call, got {type(handle).__name__}")
-
-
-def _wait(handle: Handle, timeout: Optional[float]):
-    current = api._runtime
-    if current is not None:
-        return current.wait(handle, timeout)
-    # shutdown() completed every pending handle with HvdlikeInternalError (Horovod's
-    # HorovodInternalError), which waiting raises here; a handle it did not know
-    # cannot complete any more.
-    if not handle.done():
-        raise HvdlikeInternalError(f"collective {handle.name!r} cannot complete: hvdlike has "
-                                   f"been shut down")
-    return handle.wait(timeout=timeout)
-
-
-def synchronize(handle, timeout: Optional[float] = None):
-    """Wait for ``handle`` and return its result (a tensor, tuple or list for groups).
-
-    Raises the collective's error on this rank: ``MismatchError`` when ranks
-    disagreed, ``HvdlikeInternalError`` when the job broke.
-    """
-    if isinstance(handle, GroupHandle):
-        return handle.result([_wait(h, timeout) for h in handle.handles])
-    if isinstance(handle, Handle):
-        return _wait(handle, timeout)
-    raise TypeError(
-        f"synchronize expects a handle returned by an *_async call, got {type(handle).__name__}")
+    return submit(entries, process_set, "hvdlike.torch")
 
 
 # -- allreduce -----------------------------------------------------------------------
@@ -117,12 +58,6 @@ def _allreduce_entries(tensors, name, inplace, op, prescale_factor, postscale_fa
         return core.grouped(core.allreduce_entry, tensors, _name(name, what, process_set), what,
                             **kwargs)
     return [core.allreduce_entry(tensors, _name(name, what, process_set), **kwargs)]
-
-
-def _set_size(process_set) -> int:
-    runtime = api.runtime()
-    set_id = resolve(process_set)
-    return runtime.process_set(set_id).size
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
@@ -318,19 +253,3 @@ def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=A
 
 
 # -- barrier and join ----------------------------------------------------------------
-
-
-def barrier(process_set=global_process_set) -> None:
-    """Block until every rank of ``process_set`` reaches the barrier."""
-    entry = core.barrier_entry(_name(None, "barrier", process_set))
-    synchronize(_submit([entry], process_set)[0])
-
-
-def join(device=-1) -> int:
-    """Declare that this rank has no more data; return the last rank to join.
-
-    Until every rank has joined, this rank takes part in the other ranks'
-    allreduces with zeros, so they keep training without hanging.
-    """
-    entry = core.join_entry(_name(None, "join"))
-    return synchronize(_submit([entry], global_process_set)[0])
