@@ -178,8 +178,12 @@ def _readonly():
     return a
 
 
-def test_numpy_bad_input_names_type_and_front_end():
-    res = run_ranks(_bad_input, np=NP, timeout=60)
+def test_numpy_bad_input_names_type_and_front_end(tmp_path):
+    # The core's knobs apply unchanged: this run also records a timeline.
+    trace = tmp_path / "timeline.json"
+    res = run_ranks(_bad_input, np=NP, timeout=60, env={"HVDLIKE_TIMELINE": str(trace)})
+    text = trace.read_text()
+    assert '"shared"' in text and "ALLREDUCE" in text and "NEGOTIATE_ALLREDUCE" in text
     for errors in res:
         kind, msg = errors["object"]
         assert kind == "TypeError" and "hvdlike.numpy.allreduce" in msg and "object" in msg
