@@ -8,12 +8,15 @@ lazily so ``import hvdlike`` pulls in none of them.
 from hvdlike.core.api import (
     ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled, init,
     is_homogeneous, is_initialized, local_rank, local_size, mpi_built, mpi_enabled,
-    mpi_threads_supported, nccl_built, rank, rocm_built, shutdown, size,
+    mpi_threads_supported, nccl_built, rank, rocm_built, shutdown, size, start_timeline,
+    stop_timeline,
 )
 from hvdlike.core.errors import (
     ConfigError, HorovodInternalError, HvdlikeError, HvdlikeInternalError, MismatchError,
 )
-from hvdlike.core.process_sets import ProcessSet, global_process_set
+from hvdlike.core.process_sets import (
+    ProcessSet, add_process_set, global_process_set, remove_process_set,
+)
 
 __version__ = "0.1.0"
 
