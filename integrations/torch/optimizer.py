@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import warnings
+import weakref
 from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
@@ -84,7 +85,7 @@ class _Distributed:
                 self._hvd_names[p] = self._hvd_prefix + self._hvd_user_names.get(
                     p, f"DistributedOptimizer.noname.{gi}.{pi}")
             if p.requires_grad and p not in self._hvd_hooks:
-                self._hvd_hooks[p] = p.register_post_accumulate_grad_hook(self._hvd_hook)
+                self._hvd_hooks[p] = _take_over(p, self)
 
     def _hvd_build_groups(self, num_groups, groups) -> None:
         dense = [p for _, _, p in self._hvd_params() if p.requires_grad]
@@ -261,6 +262,33 @@ class _Distributed:
 
 _CLASSES: Dict[type, type] = {}
 _instances = itertools.count()
+
+
+def _take_over(p: torch.Tensor, optimizer: _Distributed):
+    """Register ``optimizer``'s hook on ``p``, removing an earlier optimizer's.
+
+    Re-wrapping the same parameters (a new optimizer after a checkpoint load)
+    must not leave the old hook reducing ``p.grad`` in place a second time.
+    The hook holds the optimizer weakly, so a dropped optimizer goes quiet.
+    """
+    # Stored on the parameter itself: tensors cannot key a weak dict (== is elementwise).
+    old = getattr(p, "_hvdlike_hook", None)
+    if old is not None:
+        old_handle, old_ref = old
+        old_handle.remove()
+        previous = old_ref()
+        if previous is not None and previous is not optimizer:
+            previous._hvd_hooks.pop(p, None)
+    ref = weakref.ref(optimizer)
+
+    def hook(param: torch.Tensor) -> None:
+        owner = ref()
+        if owner is not None:
+            owner._hvd_hook(param)
+
+    handle = p.register_post_accumulate_grad_hook(hook)
+    p._hvdlike_hook = (handle, ref)
+    return handle
 
 
 def _distributed_class(cls: type) -> type:

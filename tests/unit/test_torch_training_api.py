@@ -246,3 +246,15 @@ def test_reductions_start_during_backward_not_at_step():
     assert len(opt._hvd_handles) == 4  # every gradient was submitted before step()
     opt.step()
     assert opt._hvd_handles == {}
+
+
+def test_rewrapping_the_same_parameters_leaves_one_active_hook():
+    m = _model()
+    first = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                     named_parameters=m.named_parameters())
+    second = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                      named_parameters=m.named_parameters())
+    _loss(m).backward()
+    assert first._hvd_handles == {} and len(second._hvd_handles) == 4
+    second.step()
+    first.step()  # no open round on the old optimizer: nothing to reduce, no hang
