@@ -2,6 +2,7 @@
 
 import os
 import signal
+import textwrap
 import time
 
 import psutil
@@ -26,6 +27,16 @@ TRAINING = """
                 f.write(str(os.getpid()))
         step += 1
         time.sleep(0.05)
+"""
+
+
+# The same without collectives: for tests of the launcher alone (cheaper to start).
+SLEEPER = """
+    import os, time
+    here = os.path.dirname(os.path.abspath(__file__))
+    with open(os.path.join(here, "ready." + os.environ["HVDLIKE_RANK"]), "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(120)
 """
 
 
@@ -57,7 +68,7 @@ def test_rank_exiting_non_zero_stops_the_others(marker):
 
 
 def test_rank_killed_by_sigkill_ends_the_job(marker):
-    (marker / "job.py").write_text(__import__("textwrap").dedent(TRAINING))
+    (marker / "job.py").write_text(textwrap.dedent(TRAINING))
     proc = start(["-np", "3", "--grace-period-seconds", "2", "python", str(marker / "job.py")])
     try:
         pids = _wait_ready(marker, 3)
@@ -70,7 +81,7 @@ def test_rank_killed_by_sigkill_ends_the_job(marker):
 
 
 def test_ctrl_c_stops_every_rank(marker):
-    (marker / "job.py").write_text(__import__("textwrap").dedent(TRAINING))
+    (marker / "job.py").write_text(textwrap.dedent(SLEEPER))
     proc = start(["-np", "2", "python", str(marker / "job.py")])
     try:
         pids = _wait_ready(marker, 2)
@@ -102,7 +113,7 @@ def test_rank_ignoring_sigterm_is_killed_after_the_grace_period(marker):
 
 
 def test_launcher_killed_outright_leaves_nothing_behind(marker):
-    (marker / "job.py").write_text(__import__("textwrap").dedent(TRAINING))
+    (marker / "job.py").write_text(textwrap.dedent(SLEEPER))
     proc = start(["-np", "2", "python", str(marker / "job.py")])
     try:
         _wait_ready(marker, 2)
