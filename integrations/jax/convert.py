@@ -52,8 +52,10 @@ class JaxAdapter(Adapter):
 
     def to_torch(self, value, what: str, writable: bool = False) -> torch.Tensor:
         if is_traced(value):
-            raise TypeError(f"{FRONTEND}.{what}: got a traced value; inside jax.jit only the "
-                            f"synchronous collectives are available (no *_async handles)")
+            raise TypeError(f"{FRONTEND}.{what}: got a traced value; inside jax.jit only "
+                            f"allreduce, grouped_allreduce, broadcast, allgather, alltoall and "
+                            f"reducescatter are available (call this one outside the traced "
+                            f"function)")
         if isinstance(value, jax.Array):
             check_array(value, what)
             try:

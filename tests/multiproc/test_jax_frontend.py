@@ -65,8 +65,22 @@ def _collectives():
     return jax.tree.map(lambda v: np.asarray(v) if isinstance(v, jax.Array) else v, out)
 
 
-def test_jax_collectives_match_oracle_and_refuse_bad_input():
-    res = run_ranks(_collectives, np=NP, timeout=120, env=ENV)
+STEPS = 60
+
+
+def _job(steps):
+    # One launch for both tests below: starting jax twice on 2 shared cores
+    # costs more than everything the tests do. The example re-inits hvdlike.
+    return {"collectives": _collectives(), "example": _example(steps)}
+
+
+@pytest.fixture(scope="module")
+def job():
+    return run_ranks(_job, np=NP, args=(STEPS,), timeout=200, env=ENV)
+
+
+def test_jax_collectives_match_oracle_and_refuse_bad_input(job):
+    res = [out["collectives"] for out in job]
     every = lambda seed, shape: [_data(q, seed, shape) for q in range(NP)]  # noqa: E731
     for r, out in enumerate(res):
         assert out["types"] == ("ArrayImpl", "float32", True)
@@ -185,11 +199,10 @@ def _example(steps):
     return result
 
 
-def test_jax_digits_two_ranks_match_single_process():
+def test_jax_digits_two_ranks_match_single_process(job):
     import jax
 
-    steps = 60
-    res = run_ranks(_example, np=NP, args=(steps,), timeout=150, env=ENV)
+    res = [out["example"] for out in job]
     oracle = res[0]["oracle"]
     n_test = 1797 - 1400
     for result in res:
