@@ -120,10 +120,15 @@ class Cluster:
             ["ip", "netns", "exec", ns, find_sshd(), "-D", "-e", "-f", config],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
 
+    # Throwaway hosts: do not check or record their host keys.
+    SSH_OPTIONS = ("StrictHostKeyChecking=no", "UserKnownHostsFile=/dev/null", "LogLevel=ERROR")
+
     def ssh_options(self) -> List[str]:
         """hvdlike-run flags that reach the namespace hosts with the throwaway key."""
-        return ["-i", self.key, "--ssh-option", "StrictHostKeyChecking=no",
-                "--ssh-option", "UserKnownHostsFile=/dev/null", "--ssh-option", "LogLevel=ERROR"]
+        flags = ["-i", self.key]
+        for option in self.SSH_OPTIONS:
+            flags += ["--ssh-option", option]
+        return flags
 
     def _wait_for_ssh(self, ip: str, timeout: float = 30) -> None:
         deadline = time.monotonic() + timeout

@@ -47,15 +47,16 @@ def test_output_filename_writes_one_log_per_rank(marker):
 def test_knob_flags_and_environment_reach_ranks(marker):
     script = write_script(marker, "job.py", """
         import os
-        keys = ["HVDLIKE_CYCLE_TIME", "HVDLIKE_FUSION_THRESHOLD", "MY_VAR", "HVDLIKE_STORE_ADDR"]
+        keys = ["HVDLIKE_CYCLE_TIME", "HVDLIKE_FUSION_THRESHOLD", "MY_VAR", "HVDLIKE_STORE_ADDR",
+                "HVDLIKE_GLOO_IFACE"]
         print(" ".join(os.environ.get(k, "-") for k in keys), os.getcwd())
     """)
     env = dict(os.environ, MY_VAR="kept value")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")]))
     code, out, err, _ = run(["-np", "1", "--cycle-time-ms", "3", "--fusion-threshold-mb", "1",
-                             "python", script], cwd=str(marker), env=env)
+                             "--network-interface", "lo", "python", script], cwd=str(marker), env=env)
     assert code == 0, err
-    assert f"[0]<stdout>:3 1048576 kept value 127.0.0.1 {marker}" in out
+    assert f"[0]<stdout>:3 1048576 kept value 127.0.0.1 lo {marker}" in out
 
 
 def test_dry_run_starts_nothing_and_hides_the_secret(marker):

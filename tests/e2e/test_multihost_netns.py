@@ -114,3 +114,29 @@ def test_host_without_hvdlike(netns_cluster, marker):
     assert err.startswith("hvdlike-run: error: 2 of 2 hosts failed the pre-flight check:")
     assert err.count("hvdlike is not installed") == 2
     assert c.wait_until_clean() == []
+
+
+def test_run_api_across_hosts(netns_cluster):
+    import hvdlike
+
+    c = netns_cluster
+
+    def where():  # defined here so cloudpickle ships it by value
+        import os
+
+        import torch
+
+        torch.set_num_threads(1)
+        import hvdlike.torch as hvd
+
+        hvd.init()
+        try:
+            total = hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum).item()
+            return os.environ["HVDLIKE_HOSTNAME"], hvd.cross_rank(), hvd.cross_size(), total
+        finally:
+            hvd.shutdown()
+
+    results = hvdlike.run(where, np=2, hosts=f"{c.ips[0]}:1,{c.ips[1]}:1",
+                          ssh_identity_file=c.key, ssh_options=list(c.SSH_OPTIONS))
+    assert results == [(c.ips[0], 0, 2, 2.0), (c.ips[1], 1, 2, 2.0)]
+    assert c.wait_until_clean() == []
