@@ -14,7 +14,8 @@ def _train(batches):
 
     import hvdlike.torch as hvd
 
-    hvd.init()
+    pair = hvd.ProcessSet([0, 2])
+    hvd.init(process_sets=[pair])
     r, n = hvd.rank(), hvd.size()
     g = torch.Generator().manual_seed(3)
     steps = max(batches)
@@ -59,12 +60,36 @@ def _train(batches):
     after = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     # and a second join with equal data reports some rank
     again = hvd.join()
+
+    # A DistributedOptimizer within a process set: ranks 0 and 2 train, rank 1 does not.
+    pair_diff = None
+    if r in (0, 2):
+        me = pair.rank()
+        torch.manual_seed(0)
+        net = nn.Linear(4, 1)
+        popt = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1),
+                                        named_parameters=net.named_parameters(),
+                                        process_set=pair)
+        torch.manual_seed(0)
+        ref_net = nn.Linear(4, 1)
+        ref_opt = torch.optim.SGD(ref_net.parameters(), lr=0.1)
+        for t in range(3):
+            popt.zero_grad()
+            F.mse_loss(net(X[me, t]), Y[me, t]).backward()
+            popt.step()
+            ref_opt.zero_grad()
+            (sum(F.mse_loss(ref_net(X[q, t]), Y[q, t]) for q in range(2)) / 2).backward()
+            ref_opt.step()
+        pair_diff = max(float((a - b).abs().max())
+                        for a, b in zip(net.parameters(), ref_net.parameters()))
+    hvd.barrier()  # shutdown stops every rank: rank 1 waits for the pair to finish
     hvd.shutdown()
     return {"last": last, "diff": float((params - expected).abs().max()), "params": params,
-            "after": after, "again": again}
+            "after": after, "again": again, "pair_diff": pair_diff}
 
 
 def test_join_with_uneven_batches_finishes_and_matches_the_oracle():
+    """Also trains a DistributedOptimizer on a process set of ranks 0 and 2."""
     results = run_ranks(_train, np=3, args=(BATCHES,), timeout=120)
     for out in results:
         assert out["last"] == 1  # the rank with the most batches joins last
@@ -72,3 +97,5 @@ def test_join_with_uneven_batches_finishes_and_matches_the_oracle():
         assert torch.equal(out["params"], results[0]["params"])
         assert torch.equal(out["after"], results[0]["after"])
         assert out["again"] in range(3)
+    assert results[0]["pair_diff"] < 1e-6 and results[2]["pair_diff"] < 1e-6
+    assert results[1]["pair_diff"] is None

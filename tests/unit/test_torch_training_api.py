@@ -209,7 +209,8 @@ def test_broadcast_optimizer_state_on_one_rank_keeps_state():
 def test_sparse_allreduce_checks_and_single_rank_value():
     with pytest.raises(TypeError, match="sparse COO"):
         hvd.sparse_allreduce_async(torch.ones(3))
-    t = torch.sparse_coo_tensor(torch.tensor([[0, 2, 0]]), torch.tensor([1.0, 2.0, 3.0]), (4,))
+    t = torch.sparse_coo_tensor(torch.tensor([[0, 2, 0]]), torch.tensor([1.0, 2.0, 3.0]), (4,),
+                                check_invariants=True)
     with pytest.raises(ValueError, match="Average or Sum"):
         hvd.sparse_allreduce_async(t, op=hvd.Max)
     out = hvd.synchronize(hvd.sparse_allreduce_async(t, name="sp"))
