@@ -42,6 +42,21 @@ class RankError(HvdlikeError):
         self.remote_traceback = remote_traceback
 
 
+def _user_path() -> str:
+    """The caller's own import directories (not the interpreter's), for unpickling ``fn``.
+
+    cloudpickle ships functions of importable modules by reference; ranks must be
+    able to import those modules too.
+    """
+    prefixes = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    mine = []
+    for entry in sys.path:
+        real = os.path.realpath(entry or os.getcwd())
+        if os.path.isdir(real) and not any(real.startswith(p + os.sep) or real == p for p in prefixes):
+            mine.append(real)
+    return os.pathsep.join(dict.fromkeys(mine))
+
+
 def _hosts(hosts: Union[None, str, Sequence[HostSlots]], np: int) -> List[HostSlots]:
     if hosts is None:
         return [HostSlots("localhost", np)]
@@ -102,7 +117,7 @@ def run(
     """
     environ = dict(os.environ)
     environ.update(env or {})
-    environ.setdefault("PYTHONPATH", os.pathsep.join(p for p in sys.path if p))
+    environ.setdefault("PYTHONPATH", _user_path())
     config = LaunchConfig(
         command=[python, "-m", TASK_MODULE],
         hosts=_hosts(hosts, np),

@@ -61,10 +61,15 @@ def resolve(host: str) -> List[str]:
     return sorted(set(addrs), key=lambda a: (":" in a, addrs.index(a)))
 
 
+@lru_cache(maxsize=1)
+def _my_names() -> frozenset:
+    return frozenset(("localhost", socket.gethostname(), socket.getfqdn()))
+
+
 def is_local(host: str) -> bool:
     """Whether ``host`` is this machine (no ssh needed)."""
     name = _bare(host)
-    if name in ("localhost", socket.gethostname(), socket.getfqdn()):
+    if name in _my_names():
         return True
     try:
         addrs = [name] if _is_ip(name) else resolve(name)
