@@ -259,3 +259,23 @@ def test_rewrapping_the_same_parameters_leaves_one_active_hook():
     assert first._hvd_handles == {} and len(second._hvd_handles) == 4
     second.step()
     first.step()  # no open round on the old optimizer: nothing to reduce, no hang
+
+
+def test_amp_grad_scaler_recipe():
+    m = _model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                   named_parameters=m.named_parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    before = [p.detach().clone() for p in m.parameters()]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = _loss(m)
+    scaler.scale(loss).backward()
+    opt.synchronize()
+    scaler.unscale_(opt)
+    norm = torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm=1e-3)
+    with opt.skip_synchronize():
+        scaler.step(opt)
+    scaler.update()
+    assert float(norm) > 1e-3  # the clip was active, on unscaled gradients
+    moved = max(float((p.detach() - b).abs().max()) for p, b in zip(m.parameters(), before))
+    assert 0 < moved <= 0.1 * 1e-3 + 1e-7  # lr * clipped norm bounds every change
