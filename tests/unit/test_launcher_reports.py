@@ -1,0 +1,67 @@
+"""What the launcher tells its user: exit descriptions, failure summary, pre-flight table."""
+
+import json
+
+import pytest
+
+from hvdlike.launcher.errors import LaunchError
+from hvdlike.launcher.hosts import HostSlots, assign_ranks
+from hvdlike.launcher.monitor import Output, Worker, describe_exit, failure_summary
+from hvdlike.launcher.preflight import HostCheck, interpret, require_all_ok
+
+
+@pytest.mark.parametrize("code, remote, text", [
+    (3, False, "exited with code 3"),
+    (137, False, "was killed by signal 9 (SIGKILL)"),
+    (-15, False, "was killed by signal 15 (SIGTERM)"),
+    (255, True, "lost its ssh connection (ssh exit status 255)"),
+    (255, False, "exited with code 255"),
+    (127, True, "could not start: command not found (exit code 127)"),
+])
+def test_describe_exit(code, remote, text):
+    assert describe_exit(code, remote) == text
+
+
+def test_failure_summary_names_rank_host_reason_and_stderr_tail():
+    placement = assign_ranks([HostSlots("h1", 1), HostSlots("h2", 1)], 2)[1]
+    worker = Worker(placement, ["true"], {}, remote=True, output=Output())
+    worker.exit_code = 137
+    for line in ["line %d" % i for i in range(20)]:
+        worker.stderr_tail.append(line)
+    summary = failure_summary(worker).splitlines()
+    assert summary[0] == "rank 1 on host h2 was killed by signal 9 (SIGKILL)"
+    assert summary[1] == "last 10 line(s) of rank 1 stderr:"
+    assert summary[-1] == "    line 19" and len(summary) == 12
+
+
+def _check(returncode=0, stdout="", stderr="", command="python"):
+    return interpret("h1", returncode, stdout, stderr, "/usr/bin/python3", "/work", command)
+
+
+def test_preflight_interpretation():
+    ok = json.dumps({"cwd_ok": True, "command": "/usr/bin/python", "helper": "/x/remote.py"})
+    assert _check(stdout="banner\n" + ok) == HostCheck("h1", None, "/x/remote.py")
+    assert "ssh failed: ssh: connect to host h1 port 22: Connection refused" == _check(
+        255, stderr="ssh: connect to host h1 port 22: Connection refused\n").problem
+    assert "hvdlike is not installed for /usr/bin/python3" in _check(
+        1, stderr="/usr/bin/python3: No module named hvdlike\n").problem
+    assert "/usr/bin/python3 not found" in _check(127, stderr="sh: python3: not found").problem
+    missing_dir = json.dumps({"cwd_ok": False, "command": None})
+    assert _check(stdout=missing_dir).problem == "working directory /work does not exist"
+    no_cmd = json.dumps({"cwd_ok": True, "command": None})
+    assert _check(stdout=no_cmd, command="train").problem == "command 'train' not found"
+
+
+def test_preflight_table_for_several_failed_hosts():
+    with pytest.raises(LaunchError) as info:
+        require_all_ok([HostCheck("a", "ssh failed: timeout"), HostCheck("bb"),
+                        HostCheck("c", "command 'x' not found")])
+    lines = str(info.value).splitlines()
+    assert lines[0] == "2 of 3 hosts failed the pre-flight check:"
+    assert lines[1:] == ["    a   ssh failed: timeout", "    bb  ok", "    c   command 'x' not found"]
+
+
+def test_preflight_single_failure_is_one_line():
+    with pytest.raises(LaunchError, match=r"^host a: ssh failed: x$"):
+        require_all_ok([HostCheck("a", "ssh failed: x"), HostCheck("b")])
+    require_all_ok([HostCheck("a"), HostCheck("b")])
