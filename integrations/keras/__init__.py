@@ -29,8 +29,8 @@ from hvdlike.core.process_sets import ProcessSet, global_process_set
 from hvdlike.frontend import barrier, join
 from hvdlike.torch.objects import allgather_object, broadcast_object
 
-from . import callbacks
 from .backend import allgather, allreduce, broadcast, broadcast_variables, grouped_allreduce
+from . import callbacks  # after .backend: its import error is the helpful one
 from .callbacks import (
     BroadcastGlobalVariablesCallback, LearningRateWarmupCallback, MetricAverageCallback,
 )

@@ -12,8 +12,17 @@ from __future__ import annotations
 import importlib
 from typing import Any, Optional, Sequence
 
-import keras
 import numpy as np
+
+try:
+    import keras
+except ImportError as exc:  # most often: KERAS_BACKEND unset, so Keras wants tensorflow
+    raise ImportError(
+        f"hvdlike.keras needs Keras 3 on the torch or jax backend, and importing keras failed "
+        f"({exc}); set KERAS_BACKEND=torch or KERAS_BACKEND=jax before keras is first imported "
+        f"(Keras defaults to tensorflow)") from exc
+if int(keras.__version__.split(".")[0]) < 3:
+    raise ImportError(f"hvdlike.keras needs Keras 3, found keras {keras.__version__}")
 
 from hvdlike.core.process_sets import global_process_set
 from hvdlike.frontend.submit import name_for

@@ -1,5 +1,6 @@
 """Front ends without processes: lazy framework imports and array conversions."""
 
+import os
 import subprocess
 import sys
 
@@ -13,14 +14,21 @@ from tests.multiproc.harness import ROOT
 
 def test_importing_hvdlike_does_not_import_jax_or_keras():
     # One fresh interpreter: the union of these imports must pull in no framework.
-    code = ("import sys, hvdlike, hvdlike.numpy, hvdlike.torch, hvdlike.frontend; "
-            "print(' '.join(sorted(sys.modules)))")
+    # Then, with no KERAS_BACKEND, hvdlike.keras must explain what to set when
+    # Keras falls back to a tensorflow that is not installed.
+    code = ("import sys, hvdlike, hvdlike.numpy, hvdlike.torch, hvdlike.frontend\n"
+            "print(' '.join(sorted(sys.modules)))\n"
+            "try:\n    import hvdlike.keras\nexcept ImportError as exc:\n    print(exc)\n")
+    env = {k: v for k, v in os.environ.items() if k != "KERAS_BACKEND"}
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                         timeout=120, check=True)
-    loaded = set(out.stdout.split())
+                         timeout=120, check=True, env=env)
+    modules, _, keras_error = out.stdout.partition("\n")
+    loaded = set(modules.split())
     assert "hvdlike.numpy" in loaded
     for framework in ("jax", "jaxlib", "optax", "keras", "tensorflow", "flax"):
         assert framework not in loaded, f"importing hvdlike imported {framework}"
+    if keras_error.strip():
+        assert "KERAS_BACKEND=torch" in keras_error
 
 
 def test_numpy_arrays_cross_without_copy_when_layout_allows():
