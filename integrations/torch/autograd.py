@@ -12,6 +12,7 @@ one ``torch.nn.SyncBatchNorm`` uses.
 forward                   backward (``g`` = grad of the output on each rank)
 ========================  =====================================================
 allreduce Sum / Average   allreduce of ``g`` with the same op and scale factors
+grouped_allreduce         grouped allreduce of the gradients (Sum / Average)
 allreduce Min / Max       ``sum(g)`` to the ranks holding the extreme value,
                           shared equally between ties
 allgather                 this rank's rows of ``sum(g)``
@@ -76,6 +77,24 @@ class _Allreduce(torch.autograd.Function):
             raise RuntimeError(f"allreduce with op {ops.ReduceOp(op).name.title()} is not "
                                "differentiable")
         return g, None, None, None, None, None, None
+
+
+class _GroupedAllreduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, op, prescale, postscale, process_set, compression, *tensors):
+        ctx.args = (name, op, prescale, postscale, process_set, compression)
+        outs = ops.grouped_allreduce([t.detach() for t in tensors], name=name,
+                                     compression=compression, op=op, prescale_factor=prescale,
+                                     postscale_factor=postscale, process_set=process_set)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        name, op, prescale, postscale, process_set, compression = ctx.args
+        outs = ops.grouped_allreduce([g.contiguous() for g in grads], name=_grad_name(name),
+                                     compression=compression, op=op, prescale_factor=prescale,
+                                     postscale_factor=postscale, process_set=process_set)
+        return (None,) * 6 + tuple(outs)
 
 
 class _Allgather(torch.autograd.Function):
@@ -167,6 +186,21 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
     reduce_op = ops._reduce_op(average, op, "allreduce")
     return _Allreduce.apply(tensor, name, ops.ReduceOp(reduce_op), prescale_factor,
                             postscale_factor, process_set, compression)
+
+
+def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
+                      prescale_factor=1.0, postscale_factor=1.0,
+                      process_set=global_process_set):
+    """Allreduce a list of tensors as one unit; differentiable for Sum and Average."""
+    if not (isinstance(tensors, (list, tuple)) and any(_wants_grad(t) for t in tensors)):
+        return ops.grouped_allreduce(tensors, average, name, compression, op, prescale_factor,
+                                     postscale_factor, process_set)
+    reduce_op = ops.ReduceOp(ops._reduce_op(average, op, "grouped_allreduce"))
+    if reduce_op not in (ops.Sum, ops.Average):
+        raise ValueError("grouped_allreduce is differentiable for op Sum or Average only, "
+                         f"got {reduce_op.name.title()}; detach the inputs")
+    return list(_GroupedAllreduce.apply(name, reduce_op, prescale_factor, postscale_factor,
+                                        process_set, compression, *tensors))
 
 
 def allgather(tensor, name=None, process_set=global_process_set):

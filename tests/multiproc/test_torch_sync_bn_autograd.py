@@ -96,6 +96,9 @@ def _run():
     check("alltoall_splits", lambda x: hvd.alltoall(x, splits=[1, 3])[0],
           lambda f: [torch.cat([f[s][:1] for s in range(n)]),
                      torch.cat([f[s][1:] for s in range(n)])])
+    check("grouped_allreduce",
+          lambda x: torch.cat(hvd.grouped_allreduce([x[:1], x[1:] * 2], op=hvd.Sum)),
+          lambda f: [torch.cat([sum(t[:1] for t in f), sum(t[1:] * 2 for t in f)])] * n)
     out["no_grad_plain"] = not hvd.allreduce(torch.ones(2)).requires_grad
     hvd.shutdown()
     return out
@@ -116,7 +119,7 @@ def test_sync_batch_norm_equals_batch_norm_on_the_concatenated_batch(results, la
 
 @pytest.mark.parametrize("label", ["allreduce_sum", "allreduce_avg", "allreduce_max",
                                    "allgather", "broadcast", "reducescatter", "alltoall",
-                                   "alltoall_splits"])
+                                   "alltoall_splits", "grouped_allreduce"])
 def test_collective_gradients_match_single_process_autograd(results, label):
     for out in results:
         assert out[label] < 1e-12, (label, out[label])
