@@ -28,6 +28,7 @@ from .hosts import RankPlacement
 
 TAIL_LINES = 10
 SSH_FAILURE = 255
+ROOT_CAUSE_WINDOW = 2.0  # seconds
 
 
 class WorkerState(enum.Enum):
@@ -94,6 +95,7 @@ class Worker:
         self._proc: Optional[subprocess.Popen] = None
         self._pumps: List[threading.Thread] = []
         self.stop_requested_at: Optional[float] = None
+        self.failed_at: Optional[float] = None
 
     @property
     def rank(self) -> int:
@@ -259,6 +261,7 @@ def monitor(workers: Sequence[Worker], output: Output, grace_seconds: float,
                 worker.start()
             except OSError as exc:
                 worker.state, worker.exit_code = WorkerState.FAILED, 127
+                worker.failed_at = clock()
                 worker.stderr_tail.append(f"cannot start {worker.argv[0]}: {exc.strerror or exc}")
                 events.put(("exit", worker.rank, 127))
                 continue
@@ -281,13 +284,19 @@ def monitor(workers: Sequence[Worker], output: Output, grace_seconds: float,
             elif event and event[0] == "exit":
                 worker = live.pop(event[1])
                 code = event[2]
+                worker.exit_code = code
                 stopped = worker.stop_requested_at is not None
                 if code == 0:
                     worker.state = WorkerState.SUCCEEDED
-                elif stopped:
+                elif stopped and not (_died(worker, ours=False)
+                                      and clock() - worker.stop_requested_at < grace_seconds):
                     worker.state = WorkerState.STOPPED
+                elif stopped:  # died on its own just as the stop arrived: a root-cause candidate
+                    worker.state = WorkerState.FAILED
+                    worker.failed_at = clock()
                 else:
                     worker.state = WorkerState.FAILED
+                    worker.failed_at = clock()
                     if result.failure is None and result.interrupted is None:
                         result.failure = worker
                         result.exit_code = _exit_code_for(code)
@@ -296,4 +305,34 @@ def monitor(workers: Sequence[Worker], output: Output, grace_seconds: float,
             if stopping_since is not None and clock() - stopping_since > grace_seconds + 10:
                 for w in live.values():
                     w.kill()
+    if result.failure is not None:
+        result.failure = root_cause(result.workers, result.failure)
+        result.exit_code = _exit_code_for(result.failure.exit_code)
     return result
+
+
+def _died(worker: Worker, ours: bool = True) -> bool:
+    """Whether the rank died (signal, lost host) rather than exited.
+
+    With ``ours=False``, SIGTERM and SIGINT do not count: those are how ranks are stopped.
+    """
+    code = worker.exit_code if worker.exit_code >= 0 else 128 - worker.exit_code
+    if worker.remote and code == SSH_FAILURE:
+        return True
+    if not 128 < code < 128 + 65:
+        return False
+    return ours or code - 128 not in (signal.SIGTERM, signal.SIGINT)
+
+
+def root_cause(workers: Sequence[Worker], first: Worker, window: float = ROOT_CAUSE_WINDOW) -> Worker:
+    """The failure to report: ``first``, unless a rank *died* (signal, lost host) within
+    ``window`` seconds of it. When a rank is killed, its peers often fail on their own
+    a moment later with a connection error; the dead rank is the one to name.
+    """
+    if _died(first):
+        return first
+    for worker in sorted(workers, key=lambda w: w.failed_at or 0.0):
+        if (worker.state is WorkerState.FAILED and worker.failed_at is not None
+                and worker.failed_at - first.failed_at <= window and _died(worker)):
+            return worker
+    return first

@@ -6,7 +6,9 @@ import pytest
 
 from hvdlike.launcher.errors import LaunchError
 from hvdlike.launcher.hosts import HostSlots, assign_ranks
-from hvdlike.launcher.monitor import Output, Worker, describe_exit, failure_summary
+from hvdlike.launcher.monitor import (
+    Output, Worker, WorkerState, describe_exit, failure_summary, root_cause,
+)
 from hvdlike.launcher.preflight import HostCheck, interpret, require_all_ok
 
 
@@ -65,3 +67,26 @@ def test_preflight_single_failure_is_one_line():
     with pytest.raises(LaunchError, match=r"^host a: ssh failed: x$"):
         require_all_ok([HostCheck("a", "ssh failed: x"), HostCheck("b")])
     require_all_ok([HostCheck("a"), HostCheck("b")])
+
+
+def _failed(rank, code, at, remote=False):
+    placement = assign_ranks([HostSlots("h", 4)], 4)[rank]
+    worker = Worker(placement, ["true"], {}, remote=remote, output=Output())
+    worker.state, worker.exit_code, worker.failed_at = WorkerState.FAILED, code, at
+    return worker
+
+
+def test_root_cause_prefers_a_rank_that_died_just_after_the_first_failure():
+    first = _failed(0, 1, 10.0)  # a peer noticing the dead rank, reported first
+    dead = _failed(2, 137, 10.4)
+    assert root_cause([first, _failed(1, 1, 10.2), dead], first) is dead
+
+
+def test_root_cause_keeps_the_first_failure_otherwise():
+    first = _failed(0, 1, 10.0)
+    late = _failed(2, 137, 15.0)  # outside the window: a separate event
+    assert root_cause([first, late], first) is first
+    killed = _failed(1, 137, 10.0)
+    assert root_cause([killed, _failed(3, 139, 10.1)], killed) is killed
+    lost = _failed(3, 255, 10.5, remote=True)
+    assert root_cause([first, lost], first) is lost
