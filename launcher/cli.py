@@ -238,6 +238,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
         _say("interrupted")
         return 130
+    except Exception as exc:  # a bug, not bad input: one line, the traceback on request
+        if args.verbose:
+            import traceback
+
+            traceback.print_exc()
+        _say(f"internal error: {type(exc).__name__}: {exc} (--verbose shows the traceback)")
+        return 1
 
 
 if __name__ == "__main__":
