@@ -90,10 +90,15 @@ class ArrayOps:
         """Run a core entry builder, naming this front end in its argument errors."""
         try:
             return make()
-        except (TypeError, ValueError) as exc:
-            raise type(exc)(f"{self.frontend}.{what}: {exc}") from None
-        except HvdlikeError as exc:
-            raise HvdlikeError(f"{self.frontend}.{what}: {exc}") from None
+        except (TypeError, ValueError, HvdlikeError) as exc:
+            message = str(exc)
+            # The core's messages mostly start with the op's name already.
+            if message.startswith(what.rstrip("_")):
+                message = f"{self.frontend}.{message}"
+            else:
+                message = f"{self.frontend}.{what}: {message}"
+            kind = type(exc) if isinstance(exc, (TypeError, ValueError)) else HvdlikeError
+            raise kind(message) from None
 
     def _convert(self, entry, like, inplace: bool = False):
         if inplace:
