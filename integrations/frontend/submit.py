@@ -45,7 +45,8 @@ def poll(handle) -> bool:
     """True when the collective behind ``handle`` has completed (never blocks)."""
     if isinstance(handle, (Handle, GroupHandle)):
         return handle.done()
-    raise TypeError(f"poll expects a handle returned by an *_async call, got {type(handle).__name__}")
+    raise TypeError(f"poll expects a handle returned by an *_async call, "
+                    f"got {type(handle).__name__}")
 
 
 def wait(handle: Handle, timeout: Optional[float] = None):
