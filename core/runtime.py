@@ -311,6 +311,12 @@ class Runtime:
             entry.set_id = set_id
             entry.request = dataclasses.replace(entry.request, rank=state.rank)
         state.queue.put(entries)
+        if set_id and self.process_sets.get(set_id) is not state:
+            # The set was removed meanwhile and its queue drained: nothing runs these.
+            error = HvdlikeInternalError(f"process set {set_id} was removed before "
+                                         f"{entries[0].request.name!r} could run")
+            for entry in entries:
+                entry.handle.set_error(error)
         return [entry.handle for entry in entries]
 
     @staticmethod
