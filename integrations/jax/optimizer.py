@@ -70,12 +70,29 @@ def allreduce_gradients(op=ReduceOp.AVERAGE, name: Optional[str] = None,
 
 def DistributedOptimizer(optimizer: optax.GradientTransformation, op=ReduceOp.AVERAGE,
                          name: Optional[str] = None, gradient_predivide_factor: float = 1.0,
+                         backward_passes_per_step: int = 1,
                          process_set=global_process_set) -> optax.GradientTransformation:
     """``optimizer`` applied to gradients averaged over every rank.
+
+    Args:
+        optimizer: the optax transformation to apply to the averaged gradients.
+        op, name, gradient_predivide_factor, process_set: as in
+            :func:`allreduce_gradients`.
+        backward_passes_per_step: accumulate (average) this many successive
+            gradients locally and communicate once, on the last of them, with
+            ``optax.MultiSteps``; the other steps return zero updates.
 
     Example:
         >>> tx = hvd.DistributedOptimizer(optax.sgd(0.1 * hvd.size()))
         >>> opt_state = hvd.broadcast_pytree(tx.init(params), root_rank=0)
     """
-    return optax.chain(allreduce_gradients(op, name, gradient_predivide_factor, process_set),
-                       optimizer)
+    if int(backward_passes_per_step) < 1:
+        raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
+    tx = optax.chain(allreduce_gradients(op, name, gradient_predivide_factor, process_set),
+                     optimizer)
+    if backward_passes_per_step > 1:
+        # MultiSteps calls the inner transformation (and so the allreduce) only
+        # on every k-th step, under lax.cond inside jit: one collective per k.
+        tx = optax.MultiSteps(tx, every_k_schedule=int(backward_passes_per_step))
+        tx = tx.gradient_transformation()
+    return tx

@@ -59,6 +59,19 @@ def _collectives():
     tree = {"w": jnp.full((2,), float(r)), "n": r, "opt": (jnp.asarray(r, jnp.int32), None)}
     out["tree"] = jax.tree.map(np.asarray, hvd.broadcast_pytree(tree, root_rank=1))
     out["obj"] = hvd.broadcast_object("from %d" % r, root_rank=1)
+    # Accumulate 2 local gradients, then one averaged step: (r + 1) * (i + 1) per
+    # rank r and step i gives updates of mean_i(i + 1) * mean_r(r + 1).
+    import optax
+
+    tx = hvd.DistributedOptimizer(optax.sgd(1.0), backward_passes_per_step=2)
+    params, state, seen = {"w": jnp.zeros(2)}, None, []
+    state = tx.init(params)
+    accumulate = jax.jit(lambda p, s, g: tx.update(g, s, p))
+    for i in range(4):
+        updates, state = accumulate(params, state, {"w": jnp.full(2, (r + 1.0) * (i + 1))})
+        params = optax.apply_updates(params, updates)
+        seen.append(float(params["w"][0]))
+    out["multisteps"] = seen
     hvd.barrier()
     out["errors"] = _bad_input(hvd)
     hvd.shutdown()
@@ -117,6 +130,7 @@ def test_jax_collectives_match_oracle_and_refuse_bad_input(job):
         np.testing.assert_array_equal(tree["w"], [1.0, 1.0])
         assert tree["n"] == 1 and int(tree["opt"][0]) == 1 and tree["opt"][1] is None
         assert out["obj"] == "from 1"
+        np.testing.assert_allclose(out["multisteps"], [0.0, -2.25, -2.25, -7.5], rtol=1e-6)
         _check_errors(out["errors"])
 
 
