@@ -17,6 +17,9 @@ or :func:`start` is called; when off, the runtime's hooks cost one attribute
 check. As in Horovod, rank 0 writes the file; a path containing ``{rank}``
 is formatted per rank and every rank writes its own. Events are queued and
 written by a thread of their own, so recording never blocks a collective.
+A file stops growing at ``max_bytes`` (1 GiB unless told otherwise): a
+``TIMELINE_TRUNCATED`` instant marks the point, later events are dropped, and
+the file is still closed as valid JSON -- a forgotten timeline never fills a disk.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import threading
 import time
 from typing import Dict, Optional
 
+DEFAULT_MAX_BYTES = 1 << 30
+
 
 class Timeline:
     """An open timeline file; thread-safe (events come from several threads).
@@ -35,11 +40,16 @@ class Timeline:
         path: file to write (truncated).
         mark_cycles: also record an instant at the start of each cycle.
         rank: written into the trace metadata.
+        max_bytes: stop recording once the file reaches this size.
     """
 
-    def __init__(self, path: str, mark_cycles: bool = False, rank: int = 0):
+    def __init__(self, path: str, mark_cycles: bool = False, rank: int = 0,
+                 max_bytes: int = DEFAULT_MAX_BYTES):
         self.path = path
         self.mark_cycles = mark_cycles
+        self.max_bytes = max_bytes
+        self._written = 0
+        self.truncated = False
         self._file = open(path, "w", encoding="utf-8")
         self._file.write("[\n")
         self._first = True
@@ -63,8 +73,16 @@ class Timeline:
             event = self._queue.get()
             if event is None:
                 return
+            if self.truncated:
+                continue  # drain the queue, write nothing more
             text = json.dumps(event, separators=(",", ":"))
+            if self._written + len(text) + 2 > self.max_bytes:
+                self.truncated = True
+                text = json.dumps({"name": "TIMELINE_TRUNCATED", "ph": "i", "s": "g", "pid": 0,
+                                   "tid": 0, "ts": event.get("ts", 0),
+                                   "args": {"max_bytes": self.max_bytes}})
             self._file.write(text if self._first else ",\n" + text)
+            self._written += len(text) + 2
             self._first = False
 
     def close(self) -> None:

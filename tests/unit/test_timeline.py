@@ -60,3 +60,15 @@ def test_path_per_rank():
     assert _path_for("/x/tl.json", 0) == "/x/tl.json"
     assert _path_for("/x/tl.json", 1) is None
     assert _path_for("/x/tl-{rank}.json", 1) == "/x/tl-1.json"
+
+
+def test_size_cap_truncates_but_keeps_valid_json(tmp_path):
+    path = tmp_path / "t.json"
+    tl = Timeline(str(path), max_bytes=2000)
+    for i in range(100):
+        tl.negotiated(0, [_work(f"tensor{i}")])
+    tl.close()
+    events = json.loads(path.read_text())
+    assert tl.truncated and path.stat().st_size < 2400
+    assert events[-1]["name"] == "TIMELINE_TRUNCATED"
+    assert sum(e["name"] == "TIMELINE_TRUNCATED" for e in events) == 1
