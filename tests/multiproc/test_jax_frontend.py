@@ -160,6 +160,12 @@ def _bad_input(hvd):
     shape = (2,) if hvd.rank() == 0 else (3,)
     catch("gather_shapes", lambda: jax.block_until_ready(
         jax.jit(lambda x: hvd.allgather(x, name="uneven"))(jnp.ones(shape))))
+    # A name held by another front end: the clash names both.
+    import hvdlike.numpy as hnp
+
+    held = hnp.allreduce_async(np.ones(2), name="held")
+    catch("mixed", lambda: hvd.allreduce_async(jnp.ones(2), name="held"))
+    hnp.synchronize(held)
     errors["after"] = np.asarray(hvd.allreduce(jnp.ones(2), op=hvd.Sum)).tolist()
     return errors
 
@@ -179,6 +185,9 @@ def _check_errors(errors):
     assert kind == "TypeError" and "broadcast_pytree" in msg
     kind, msg = errors["gather_shapes"]
     assert kind != "no error" and "same shape" in msg
+    kind, msg = errors["mixed"]
+    assert kind == "DuplicateNameError" and "hvdlike.jax.allreduce" in msg
+    assert "'held'" in msg and "hvdlike.numpy" in msg
     assert errors["after"] == [2.0, 2.0]
 
 
