@@ -209,6 +209,15 @@ class _Distributed:
                     if compressed is not p.grad:
                         p.grad.copy_(self._hvd_compression.decompress(out, ctx))
 
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Change ``backward_passes_per_step`` (between steps, on every rank alike)."""
+        if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
+            raise ValueError(f"backward_passes_per_step must be an int >= 1, got {passes!r}")
+        if self._hvd_round_open:
+            raise RuntimeError("set_backward_passes_per_step() during an accumulation: call "
+                               "step() or synchronize() first")
+        self._hvd_k = passes
+
     @contextlib.contextmanager
     def skip_synchronize(self):
         """Inside this block ``step()`` does not synchronize (you already did)."""

@@ -279,3 +279,18 @@ def test_amp_grad_scaler_recipe():
     assert float(norm) > 1e-3  # the clip was active, on unscaled gradients
     moved = max(float((p.detach() - b).abs().max()) for p, b in zip(m.parameters(), before))
     assert 0 < moved <= 0.1 * 1e-3 + 1e-7  # lr * clipped norm bounds every change
+
+
+def test_set_backward_passes_per_step():
+    m = _model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1))
+    opt.set_backward_passes_per_step(2)
+    _loss(m).backward()
+    assert opt._hvd_handles == {}  # first of two passes: nothing sent yet
+    with pytest.raises(RuntimeError, match="during an accumulation"):
+        opt.set_backward_passes_per_step(1)
+    _loss(m).backward()
+    assert len(opt._hvd_handles) == 4
+    opt.step()
+    with pytest.raises(ValueError, match=">= 1"):
+        opt.set_backward_passes_per_step(0)
