@@ -52,9 +52,11 @@ def broadcast_pytree(tree: Any, root_rank: int = 0, name: Optional[str] = None,
                         f"the initial state once, before the training step")
     base = name_for(name, "broadcast_pytree", process_set)
     arrays = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
+    others = [i for i, leaf in enumerate(leaves) if not _is_array(leaf)]
+    for i in arrays:  # refuse a bad leaf before anything is in flight
+        ops.grid._tensor(leaves[i], "broadcast_pytree")
     handles = [ops.grid.broadcast_async(leaves[i], root_rank, f"{base}.{i}", process_set)
                for i in arrays]
-    others = [i for i in range(len(leaves)) if i not in set(arrays)]
     out = list(leaves)
     if others:
         values = broadcast_object([leaves[i] for i in others], root_rank, f"{base}.objects",
@@ -69,7 +71,7 @@ def broadcast_pytree(tree: Any, root_rank: int = 0, name: Optional[str] = None,
 def broadcast_variables(variables: Any, root_rank: int = 0, name: Optional[str] = None,
                         process_set=global_process_set) -> Any:
     """Horovod's name for :func:`broadcast_pytree` (parameters or optimizer state)."""
-    return broadcast_pytree(variables, root_rank, name or None, process_set)
+    return broadcast_pytree(variables, root_rank, name, process_set)
 
 
 def allreduce_pytree(tree: Any, name: Optional[str] = None, op=ops.Average,

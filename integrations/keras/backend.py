@@ -14,6 +14,9 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from hvdlike.core.process_sets import global_process_set
+from hvdlike.frontend.submit import name_for
+
 try:
     import keras
 except ImportError as exc:  # most often: KERAS_BACKEND unset, so Keras wants tensorflow
@@ -23,9 +26,6 @@ except ImportError as exc:  # most often: KERAS_BACKEND unset, so Keras wants te
         f"(Keras defaults to tensorflow)") from exc
 if int(keras.__version__.split(".")[0]) < 3:
     raise ImportError(f"hvdlike.keras needs Keras 3, found keras {keras.__version__}")
-
-from hvdlike.core.process_sets import global_process_set
-from hvdlike.frontend.submit import name_for
 
 FRONTEND = "hvdlike.keras"
 SUPPORTED = ("torch", "jax")
