@@ -33,8 +33,9 @@ class Health:
     """Heartbeat, stall inspection and peer diagnosis for one runtime."""
 
     def __init__(self, store, rank: int, size: int, hostname: str, cfg,
-                 waiting_since: Callable[[], Dict[str, float]],
-                 on_abort: Callable[[BaseException], None]):
+                 waiting_since: Callable[[], Dict[tuple, float]],
+                 on_abort: Callable[[BaseException], None],
+                 members: Callable[[int], List[int]] = None):
         self.store = store
         self.rank = rank
         self.size = size
@@ -43,6 +44,7 @@ class Health:
         self.stall_enabled = not cfg.stall_check_disable
         self._waiting_since = waiting_since
         self._on_abort = on_abort
+        self._members = members or (lambda set_id: list(range(size)))
         self._lock = threading.Lock()  # one store request at a time on this connection
         self._stop = threading.Event()
         self._published = None
@@ -94,8 +96,9 @@ class Health:
     def _publish_waiting(self) -> None:
         now = time.monotonic()
         half = self.cfg.stall_check_time_seconds / 2.0
-        waiting = {n: round(now - t, 1) for n, t in self._waiting_since().items() if now - t >= half}
-        names = sorted(waiting)
+        waiting = [[set_id, name, round(now - t, 1)]
+                   for (set_id, name), t in self._waiting_since().items() if now - t >= half]
+        names = sorted((set_id, name) for set_id, name, _ in waiting)
         if names != self._published:
             payload = json.dumps(waiting)
             self._store_op(lambda: self.store.set(f"health/waiting/{self.rank}", payload))
@@ -147,14 +150,12 @@ class Health:
 
     def stall_report(self):
         """``(longest wait, text)`` naming stalled tensors and missing ranks, or None."""
-        waiting: Dict[int, Dict[str, float]] = {}
+        names: Dict[tuple, List[int]] = {}  # (process set id, name) -> ranks waiting
+        now = time.monotonic()
         for r in range(self.size):
             raw = self._read(f"health/waiting/{r}")
-            waiting[r] = json.loads(raw) if raw else {}
-        names: Dict[str, List[int]] = {}
-        now = time.monotonic()
-        for r, entries in waiting.items():
-            for name, seconds in entries.items():
+            for set_id, name, seconds in (json.loads(raw) if raw else []):
+                name = (set_id, name)
                 names.setdefault(name, []).append(r)
                 # Ages are published once per name; convert to our own clock.
                 since = self._since.get(name, now)
@@ -163,15 +164,17 @@ class Health:
             if name not in names:
                 del self._since[name]
         longest = {name: now - since for name, since in self._since.items()}
-        stalled = sorted((n for n in names if len(names[n]) < self.size),
+        stalled = sorted((n for n in names if len(names[n]) < len(self._members(n[0]))),
                          key=lambda n: -longest[n])
         if not stalled:
             return None
         lines = ["stall: some ranks submitted collectives that others have not:"]
-        for name in stalled[:MAX_NAMES]:
-            missing = [r for r in range(self.size) if r not in names[name]]
+        for key in stalled[:MAX_NAMES]:
+            set_id, name = key
+            missing = [r for r in self._members(set_id) if r not in names[key]]
             where = ", ".join(f"{r} ({self.host(r)})" for r in missing)
-            lines.append(f"  {name!r}: waited {longest[name]:.0f}s; missing rank(s) {where}")
+            label = f"{name!r}" + (f" (process set {set_id})" if set_id else "")
+            lines.append(f"  {label}: waited {longest[key]:.0f}s; missing rank(s) {where}")
         if len(stalled) > MAX_NAMES:
             lines.append(f"  ... and {len(stalled) - MAX_NAMES} more")
         return longest[stalled[0]], "\n".join(lines)

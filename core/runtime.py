@@ -121,7 +121,7 @@ class Runtime:
                 f"gen{generation}/", bootstrap.connect_store(topology, rendezvous, cfg.start_timeout))
             runtime.health = Health(health_store, topology.rank, topology.size,
                                     topology.hostname, cfg, runtime._waiting_since,
-                                    runtime._set_fatal)
+                                    runtime._set_fatal, runtime._members)
         try:
             # Static sets are live from the first cycle on every rank: registered
             # before the background thread starts cycling.
@@ -355,11 +355,16 @@ class Runtime:
             self.fatal = error
             logger.error("%s", error)
 
-    def _waiting_since(self) -> Dict[str, float]:
-        waiting: Dict[str, float] = {}
-        for state in list(self.process_sets.values()):
-            waiting.update(state.queue.waiting_since())
+    def _waiting_since(self) -> Dict[tuple, float]:
+        """``{(process set id, name): submission time}`` of everything pending here."""
+        waiting: Dict[tuple, float] = {}
+        for set_id, state in list(self.process_sets.items()):
+            for name, since in state.queue.waiting_since().items():
+                waiting[(set_id, name)] = since
         return waiting
+
+    def _members(self, set_id: int) -> List[int]:
+        return self.set_ranks.get(set_id) or list(range(self.topology.size))
 
     def _explain(self, error: BaseException) -> BaseException:
         """Turn a transport failure into the job's fatal error, naming dead peers."""

@@ -202,3 +202,25 @@ def test_hundred_init_shutdown_cycles_leak_nothing():
         assert threads1 == threads0, (threads0, threads1)
         assert fds1 <= fds0, (fds0, fds1)
         assert rss1 - rss0 < 30 * 1024 * 1024, (rss0, rss1)
+
+
+def _stall_in_process_set():
+    import hvdlike.torch as hvd
+
+    subset = hvd.ProcessSet([0, 2])
+    hvd.init(process_sets=[subset])
+    if hvd.rank() == 2:
+        time.sleep(4.0)
+    if hvd.rank() != 1:
+        hvd.allreduce(torch.ones(2), name="sub", process_set=subset)
+    hvd.barrier()
+    hvd.shutdown()
+    return True
+
+
+def test_stall_in_process_set_names_only_its_members():
+    env = {"HVDLIKE_STALL_CHECK_TIME_SECONDS": "1"}
+    codes, outputs = run_ranks(_stall_in_process_set, np=3, env=env, expect_failure=True)
+    assert codes == [0, 0, 0], outputs
+    assert "'sub' (process set 1)" in outputs[0], outputs[0]
+    assert "missing rank(s) 2 (" in outputs[0] and "missing rank(s) 1" not in outputs[0]
