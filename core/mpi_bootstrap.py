@@ -13,6 +13,7 @@ hosts the store on a port derived from the job and step ids (or
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import random
 import re
@@ -123,19 +124,27 @@ def _my_addresses() -> List[str]:
     return found
 
 
-def choose_store_address(my_host: str, peers: Sequence[Tuple[str, List[str]]]) -> str:
+def host_key(hostname: str, addrs: Sequence[str]) -> str:
+    """What makes two ranks "on the same host": name and network addresses.
+
+    Containers or network namespaces may share a host name but not a loopback.
+    """
+    return hostname + "|" + ",".join(sorted(addrs))
+
+
+def choose_store_address(peers: Sequence[Tuple[str, List[str]]]) -> str:
     """The address rank 0 should host the store on.
 
     Args:
-        my_host: rank 0's host name.
-        peers: ``(host name, its IPv4 addresses)`` of every rank.
+        peers: ``(host name, its IPv4 addresses)`` of every rank, rank 0 first.
 
     Returns:
         ``127.0.0.1`` when every rank shares rank 0's host, otherwise the local
         address that routes to the first other host.
     """
+    mine = host_key(*peers[0])
     for host, addrs in peers:
-        if host == my_host:
+        if host_key(host, addrs) == mine:
             continue
         for addr in addrs:
             local = local_address_towards(addr, 9)
@@ -165,10 +174,10 @@ def _from_mpi(environ: Mapping[str, str], name: str, rank_var: str, size_var: st
         )
     me = socket.gethostname()
     peers = comm.allgather((me, _my_addresses()))
-    topo = topologies([host for host, _ in peers])[rank]
+    topo = dataclasses.replace(topologies([host_key(*peer) for peer in peers])[rank], hostname=me)
     offer = None
     if rank == 0:
-        addr = choose_store_address(me, peers)
+        addr = choose_store_address(peers)
         offer = (addr, _free_port(addr), secrets.token_hex(16))
     addr, port, secret = comm.bcast(offer, root=0)
     return topo, Rendezvous(launcher=name, addr=addr, port=port, secret=secret,

@@ -136,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--dry-run", action="store_true", help="print what would run, run nothing")
     add("--check-build", action="store_true", help="show available frameworks and backends")
     add("--mpi", action="store_true", help="launch with mpirun (Open MPI or MPICH)")
-    add("--mpi-args", default="", metavar="ARGS", help="extra mpirun arguments (one string)")
+    add("--mpi-args", default="", metavar="ARGS",
+        help='extra mpirun arguments as one string; write --mpi-args="-x ..." when it starts with -')
     add("--version", action="version", version=f"{PROG} {_version()}")
     knobs = parser.add_argument_group("runtime knobs (each sets the HVDLIKE_* variable shown)")
     for knob in core_config.KNOBS:

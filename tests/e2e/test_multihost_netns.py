@@ -5,6 +5,7 @@ rendezvous store listens on the bridge address both hosts route to.
 """
 
 import os
+import shutil
 import signal
 import sys
 import textwrap
@@ -139,4 +140,30 @@ def test_run_api_across_hosts(netns_cluster):
     results = hvdlike.run(where, np=2, hosts=f"{c.ips[0]}:1,{c.ips[1]}:1",
                           ssh_identity_file=c.key, ssh_options=list(c.SSH_OPTIONS))
     assert results == [(c.ips[0], 0, 2, 2.0), (c.ips[1], 1, 2, 2.0)]
+    assert c.wait_until_clean() == []
+
+
+def test_mpirun_across_two_hosts(netns_cluster, marker):
+    pytest.importorskip("mpi4py", reason="needs mpi4py (pip install 'hvdlike[mpi]')")
+    if shutil.which("mpirun") is None:
+        pytest.skip("needs mpirun (pip install 'hvdlike[mpi]')")
+    c = netns_cluster
+    script = _script(marker, """
+        import torch
+        torch.set_num_threads(1)
+        import hvdlike.torch as hvd
+
+        hvd.init()
+        total = hvd.allreduce(torch.tensor([float(hvd.rank())]), op=hvd.Sum).item()
+        print(f"mpi rank={hvd.rank()} local={hvd.local_rank()} "
+              f"cross={hvd.cross_rank()}/{hvd.cross_size()} sum={total:g}")
+        hvd.shutdown()
+    """)
+    # The namespaces share one host name: tell Hydra which interface reaches them.
+    code, out, err, _ = run(["--mpi", "-np", "4", "-H", f"{c.ips[0]}:2,{c.ips[1]}:2",
+                             f"--mpi-args=-iface {c.bridge}", *c.ssh_options(), "python", script],
+                            timeout=150)
+    assert code == 0, err
+    for rank in range(4):
+        assert f"mpi rank={rank} local={rank % 2} cross={rank // 2}/2 sum=6" in out
     assert c.wait_until_clean() == []

@@ -78,4 +78,10 @@ def test_hvdlike_variables_win_over_mpi():
 
 
 def test_choose_store_address_single_host_is_loopback():
-    assert mpi_bootstrap.choose_store_address("a", [("a", ["10.0.0.5"]), ("a", [])]) == "127.0.0.1"
+    peers = [("a", ["10.0.0.5"]), ("a", ["10.0.0.5"])]
+    assert mpi_bootstrap.choose_store_address(peers) == "127.0.0.1"
+
+
+def test_same_name_different_addresses_are_different_hosts():
+    assert mpi_bootstrap.host_key("vm", ["10.0.0.2"]) != mpi_bootstrap.host_key("vm", ["10.0.0.3"])
+    assert mpi_bootstrap.host_key("vm", ["b", "a"]) == mpi_bootstrap.host_key("vm", ["a", "b"])
