@@ -49,10 +49,29 @@ def _keras_job():
         _, accuracy = model.evaluate(x_test, y_test, verbose=0)
         out["oracle"] = {"weights": model.get_weights(), "history": history.history,
                          "accuracy": float(accuracy)}
+    out["collectives"] = _collectives(hvd, keras)
     out["warmup"] = _warmup(hvd, keras)
     out["errors"] = _errors(hvd, keras)
     hvd.shutdown()
     return out
+
+
+def _collectives(hvd, keras):
+    """The module-level collectives on backend tensors, numpy arrays and variables."""
+    r = hvd.rank()
+    x = keras.ops.convert_to_tensor(np.full((2,), r + 1.0, "float32"))
+    total = hvd.allreduce(x, op=hvd.Sum)
+    variable = keras.Variable(np.full((3,), float(r), "float32"))
+    hvd.broadcast_variables([variable], root_rank=1)
+    return {
+        "sum": keras.ops.convert_to_numpy(total),
+        "kind": type(total).__module__.split(".")[0],
+        "numpy": hvd.allreduce(np.array([r], "float64")),
+        "gather": keras.ops.convert_to_numpy(hvd.allgather(x)),
+        "bcast": keras.ops.convert_to_numpy(hvd.broadcast(x, root_rank=1)),
+        "variable": keras.ops.convert_to_numpy(variable.value),
+        "objects": hvd.allgather_object(r),
+    }
 
 
 def _warmup(hvd, keras):
@@ -115,6 +134,16 @@ def test_keras_fit_two_ranks_matches_single_process(backend):
         assert abs(out["accuracy"] - oracle["accuracy"]) <= 1.0 / 397 + 1e-7
     assert oracle["accuracy"] > 0.85
     _check_warmup([out["warmup"] for out in res])
+    for out in res:
+        got = out["collectives"]
+        np.testing.assert_array_equal(got["sum"], [3.0, 3.0])
+        assert got["kind"] == ("torch" if backend == "torch" else "jaxlib")
+        np.testing.assert_array_equal(got["numpy"], [0.5])
+        assert got["numpy"].dtype == np.float64
+        np.testing.assert_array_equal(got["gather"], [1.0, 1.0, 2.0, 2.0])
+        np.testing.assert_array_equal(got["bcast"], [2.0, 2.0])
+        np.testing.assert_array_equal(got["variable"], [1.0, 1.0, 1.0])
+        assert got["objects"] == [0, 1]
     for out in res:
         errors = out["errors"]
         kind, msg = errors["not_optimizer"]
