@@ -91,6 +91,14 @@ class Controller:
     def _evict(self, slot: int) -> None:
         """Forget ``slot``; an entry of ours waiting on it is renegotiated."""
         self.cache.evict(slot)
+        self._evicted(slot)
+
+    def _evicted(self, slot: int) -> None:
+        """The cache dropped ``slot``'s name: renegotiate an entry of ours waiting on it.
+
+        Not ``_evict``: ``ResponseCache.put`` may already have handed the freed
+        slot to the new response, which a second eviction would throw away.
+        """
         self.sequence.reset()
         entry = self._cached.pop(slot, None)
         if entry is not None:
@@ -100,6 +108,7 @@ class Controller:
         self.cycles += 1
         result = CycleResult()
         invalid = set()
+        partial_groups = self._partially_cached_groups(entries)
         for entry in entries:
             req = entry.request
             if req.op == OpType.JOIN:
@@ -107,7 +116,9 @@ class Controller:
                 self._miss(entry)
                 continue
             kind, slot = self.cache.lookup(req)
-            if kind is Lookup.HIT and slot not in self._cached:
+            if req.group and req.group in partial_groups and kind is Lookup.HIT:
+                self._miss(entry)  # a group is negotiated whole (see below)
+            elif kind is Lookup.HIT and slot not in self._cached:
                 self._cached[slot] = entry
             else:
                 if kind is Lookup.CONFLICT:
@@ -151,6 +162,22 @@ class Controller:
         if self.coordinator is not None:
             result.stalled = self.coordinator.pending()
         return result
+
+    def _partially_cached_groups(self, entries: Sequence[Entry]) -> set:
+        """Groups with some members cached and some not.
+
+        The coordinator releases a group only once all its members were
+        requested, so a group whose members were partly evicted must be
+        negotiated whole, never split between cache and coordinator. Caches
+        are identical on every rank, so every rank decides alike.
+        """
+        hits: Dict[str, List[bool]] = {}
+        for entry in entries:
+            req = entry.request
+            if req.group:
+                hits.setdefault(req.group, []).append(
+                    self.cache.lookup(req)[0] is Lookup.HIT)
+        return {g for g, h in hits.items() if any(h) and not all(h)}
 
     def _run_cached(self, slot: int, result: CycleResult) -> None:
         response = self.cache.response(slot)
@@ -200,7 +227,7 @@ class Controller:
                 self._joined = False
             elif not response.error and not response.joined and entry is not None:
                 for slot in self.cache.put(response, entry.request):
-                    self._evict(slot)
+                    self._evicted(slot)
                 self.sequence.reset()
             work.append((response, entry))
         return work
