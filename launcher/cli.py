@@ -147,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
             knobs.add_argument(knob.flag, dest=f"knob_{knob.field}", action="store_true",
                                default=None, help=f"{knob.help} ({knob.env}=1)")
         else:
-            target = f"{knob.env} = VALUE x {int(knob.flag_scale)}" if knob.flag_scale else knob.env
+            target = f"{knob.env} = VALUE x {knob.flag_scale:.12g}" if knob.flag_scale else knob.env
             knobs.add_argument(knob.flag, dest=f"knob_{knob.field}", metavar="VALUE",
                                help=f"{knob.help} ({target})")
     add("command", nargs=argparse.REMAINDER, help="the program each rank runs, and its arguments")
