@@ -167,3 +167,33 @@ def test_mpirun_across_two_hosts(netns_cluster, marker):
     for rank in range(4):
         assert f"mpi rank={rank} local={rank % 2} cross={rank // 2}/2 sum=6" in out
     assert c.wait_until_clean() == []
+
+
+SLEEPER = """
+    import os, time
+    here = os.path.dirname(os.path.abspath(__file__))
+    with open(os.path.join(here, "ready." + os.environ["HVDLIKE_RANK"]), "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "launcher-killed"])
+def test_stopping_the_launcher_ends_ranks_on_every_host(netns_cluster, marker, sig):
+    c = netns_cluster
+    script = _script(marker, SLEEPER)
+    proc = start(["-np", "4", "-H", f"{c.ips[0]}:2,{c.ips[1]}:2", "--grace-period-seconds", "2",
+                  *c.ssh_options(), "python", script])
+    try:
+        deadline = time.monotonic() + 90
+        while not all((marker / f"ready.{r}").exists() for r in range(4)):
+            assert time.monotonic() < deadline, "ranks did not start"
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.2)
+        proc.send_signal(sig)
+        code, out, err = finish(proc, timeout=30)
+    finally:
+        kill_session(proc.pid)
+    assert code == (130 if sig == signal.SIGINT else -signal.SIGKILL), err
+    assert c.wait_until_clean() == []
+    assert not wait_until_gone(str(marker))
