@@ -2,9 +2,9 @@
 
 Layout (``<t>`` is a per-run tag)::
 
-    root namespace: bridge hvbr<t> 10.213.<n>.1/24   <- hvdlike-run runs here
-      |- veth hvv<t>1 == eth0 in namespace hvns<t>-1: 10.213.<n>.11, sshd on :22
-      |- veth hvv<t>2 == eth0 in namespace hvns<t>-2: 10.213.<n>.12, sshd on :22
+    root namespace: bridge hvbr<t> 10.x.y.1/24   <- hvdlike-run runs here
+      |- veth hvv<t>1 == eth0 in namespace hvns<t>-1: 10.x.y.11, sshd on :22
+      |- veth hvv<t>2 == eth0 in namespace hvns<t>-2: 10.x.y.12, sshd on :22
 
 Each namespace is a host with its own address; processes share the file system,
 so the same Python and checkout are "installed" on both. A throwaway key pair
@@ -51,17 +51,31 @@ def why_unavailable() -> Optional[str]:
     return None
 
 
+def _free_subnet(seed: int) -> str:
+    """A 10.x.y /24 (as "10.x.y") that no local address or route uses yet.
+
+    Seeded by the pid so concurrent test sessions pick different ones.
+    """
+    used = _run("ip", "-4", "addr", check=False).stdout + _run("ip", "-4", "route", check=False).stdout
+    for attempt in range(64):
+        n = (seed + attempt * 7919) % 32000
+        prefix = f"10.{128 + n // 250}.{n % 250}"
+        if prefix + "." not in used:
+            return prefix
+    raise Unavailable("no free 10.x.y.0/24 subnet for the test network")
+
+
 class Cluster:
     """Two namespace hosts reachable over ssh from the root namespace."""
 
     def __init__(self, hosts: int = 2):
         self.tag = f"{os.getpid() % 100000}"
-        self.net = 20 + os.getpid() % 200
+        self.subnet = _free_subnet(os.getpid())
         self.bridge = f"hvbr{self.tag}"
-        self.bridge_ip = f"10.213.{self.net}.1"
+        self.bridge_ip = f"{self.subnet}.1"
         self.namespaces = [f"hvns{self.tag}-{i}" for i in range(1, hosts + 1)]
-        self.ips = [f"10.213.{self.net}.{10 + i}" for i in range(1, hosts + 1)]
-        self.unused_ip = f"10.213.{self.net}.99"
+        self.ips = [f"{self.subnet}.{10 + i}" for i in range(1, hosts + 1)]
+        self.unused_ip = f"{self.subnet}.99"
         self.folder = tempfile.mkdtemp(prefix="hvdlike-netns-")
         self.key = os.path.join(self.folder, "id_ed25519")
         self._sshd: List[subprocess.Popen] = []

@@ -133,9 +133,8 @@ def netns_cluster():
     reason = netns.why_unavailable()
     if reason:
         pytest.skip(f"multi-host test skipped: {reason}")
-    cluster = netns.Cluster()
     try:
-        cluster.setup()
+        cluster = netns.Cluster().setup()
     except Exception as exc:  # e.g. no CAP_NET_ADMIN inside a container
         pytest.skip(f"multi-host test skipped: cannot build network namespaces: {exc}")
     try:
