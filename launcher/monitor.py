@@ -29,6 +29,7 @@ from .hosts import RankPlacement
 TAIL_LINES = 10
 SSH_FAILURE = 255
 ROOT_CAUSE_WINDOW = 2.0  # seconds
+PUMP_DRAIN_SECONDS = 5.0
 
 
 class WorkerState(enum.Enum):
@@ -151,7 +152,9 @@ class Worker:
         """Block until the helper ends and its output is drained; return its status."""
         code = self._proc.wait()
         for pump in self._pumps:
-            pump.join()
+            # A process that escaped the rank's session may still hold the pipe open:
+            # take what arrives promptly, never wait for it forever.
+            pump.join(timeout=PUMP_DRAIN_SECONDS)
         self.exit_code = code
         return code
 
