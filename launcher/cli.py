@@ -136,6 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--dry-run", action="store_true", help="print what would run, run nothing")
     add("--check-build", action="store_true", help="show available frameworks and backends")
     add("--mpi", action="store_true", help="launch with mpirun (Open MPI or MPICH)")
+    add("--gloo", action="store_true",
+        help="launch with hvdlike's own launcher (the default; accepted as in Horovod)")
     add("--mpi-args", default="", metavar="ARGS",
         help='extra mpirun arguments as one string; write --mpi-args="-x ..." when it starts with -')
     add("--version", action="version", version=f"{PROG} {_version()}")
@@ -162,6 +164,8 @@ def to_config(args: argparse.Namespace) -> LaunchConfig:
     """
     import shlex
 
+    if args.mpi and args.gloo:
+        raise LaunchError("--mpi and --gloo cannot be used together")
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]

@@ -53,6 +53,7 @@ def test_hostfile(tmp_path):
     (["-np", "2", "--fusion-threshold-mb", "lots", "python"], "--fusion-threshold-mb"),
     (["-np", "2", "--cycle-time-ms", "-1", "python"], "--cycle-time-ms"),
     (["-np", "2", "--log-level", "chatty", "python"], "--log-level"),
+    (["-np", "2", "--mpi", "--gloo", "python"], "cannot be used together"),
 ])
 def test_bad_values_raise_one_line(argv, needle):
     with pytest.raises(LaunchError, match=needle) as info:
