@@ -31,6 +31,11 @@ COLLECTIVES = """
     print(f"rank={hvd.rank()} size={hvd.size()} local={hvd.local_rank()}/{hvd.local_size()} "
           f"cross={hvd.cross_rank()}/{hvd.cross_size()} host={os.environ['HVDLIKE_HOSTNAME']} "
           f"sum={total:g} gather={gathered} bcast={root:g}")
+    # Every process of the job (ssh clients, sshd sessions, helpers) shares this PID space.
+    import psutil
+    secret = os.environ["HVDLIKE_JOB_SECRET"]
+    leaks = [p.pid for p in psutil.process_iter(["cmdline"]) if secret in " ".join(p.info["cmdline"] or [])]
+    print(f"rank={hvd.rank()} secret on command lines: {len(leaks)}")
     hvd.shutdown()
 """
 
@@ -69,6 +74,7 @@ def test_collectives_across_two_hosts(netns_cluster, marker):
     for rank, (local, cross, host) in expected.items():
         assert (f"[{rank}]<stdout>:rank={rank} size=4 local={local}/2 cross={cross}/2 host={host} "
                 f"sum=6 gather=[0, 1, 2, 3] bcast=20") in out
+        assert f"[{rank}]<stdout>:rank={rank} secret on command lines: 0" in out
     assert c.wait_until_clean() == []
 
 
