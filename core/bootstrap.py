@@ -203,6 +203,11 @@ def local_address_towards(addr: str, port: int) -> str:
 _hosted: dict = {}
 
 
+def release_hosted_store() -> None:
+    """Drop the store server this process hosts (call once its runtime has shut down)."""
+    _hosted.clear()
+
+
 def connect_store(topo: Topology, rdzv: Rendezvous, timeout_seconds: float):
     """Connect to (or host) the job's store; return it wrapped in the job prefix.
 
