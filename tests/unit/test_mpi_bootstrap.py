@@ -85,3 +85,17 @@ def test_choose_store_address_single_host_is_loopback():
 def test_same_name_different_addresses_are_different_hosts():
     assert mpi_bootstrap.host_key("vm", ["10.0.0.2"]) != mpi_bootstrap.host_key("vm", ["10.0.0.3"])
     assert mpi_bootstrap.host_key("vm", ["b", "a"]) == mpi_bootstrap.host_key("vm", ["a", "b"])
+
+
+def test_hosting_rank_can_connect_to_its_own_store_twice():
+    port = mpi_bootstrap._free_port("127.0.0.1")
+    topo = bootstrap.Topology(rank=0, size=2)
+    rdzv = bootstrap.Rendezvous(launcher="mpirun (test)", addr="127.0.0.1", port=port,
+                                secret="s", host_store=True)
+    try:
+        first = bootstrap.connect_store(topo, rdzv, 10)
+        second = bootstrap.connect_store(topo, rdzv, 10)  # joins, does not bind again
+        first.set("k", "v")
+        assert second.get("k") == b"v"
+    finally:
+        bootstrap.release_hosted_store()
