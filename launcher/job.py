@@ -21,7 +21,7 @@ from .local_exec import helper_command
 from .monitor import Output, RunResult, Worker, monitor
 from .preflight import check_hosts, require_all_ok
 from .rendezvous import StoreServer, choose_address, is_local, new_secret
-from .ssh_exec import remote_helper_command
+from .ssh_exec import remote_helper_command, start_delay
 
 
 def check_local_command(command: List[str], cwd: str, path: Optional[str]) -> None:
@@ -138,12 +138,14 @@ class Job:
         addr, port = self.store.endpoint()
         if self.config.verbose:
             self.output.note("launching:\n" + self.describe(addr, port))
-        workers = [
-            Worker(p, self.launch_argv(p), self.rank_spec(p, addr, port),
-                   remote=not self.local[p.host], output=self.output,
-                   log_dir=self.config.output_dir)
-            for p in self.placements
-        ]
+        workers = []
+        for p in self.placements:
+            worker = Worker(p, self.launch_argv(p), self.rank_spec(p, addr, port),
+                            remote=not self.local[p.host], output=self.output,
+                            log_dir=self.config.output_dir)
+            if worker.remote:
+                worker.start_delay = start_delay(p.topology.local_rank)
+            workers.append(worker)
         return monitor(workers, self.output, self.config.grace_seconds)
 
 

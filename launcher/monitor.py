@@ -97,6 +97,7 @@ class Worker:
         self._pumps: List[threading.Thread] = []
         self.stop_requested_at: Optional[float] = None
         self.failed_at: Optional[float] = None
+        self.start_delay = 0.0  # seconds after the job's start (see ssh_exec.SSH_BURST)
 
     @property
     def rank(self) -> int:
@@ -259,7 +260,11 @@ def monitor(workers: Sequence[Worker], output: Output, grace_seconds: float,
         events.put(("exit", worker.rank, worker.wait()))
 
     with _Interrupts(events):
+        began = clock()
         for worker in workers:
+            wait = worker.start_delay - (clock() - began)
+            if wait > 0 and events.empty():
+                time.sleep(wait)
             try:
                 worker.start()
             except OSError as exc:

@@ -12,6 +12,17 @@ import shlex
 from typing import List, Optional, Sequence
 
 from .launch_config import SshOptions
+
+# sshd refuses new connections at random once ``MaxStartups`` (default 10:30:100)
+# are still authenticating; ranks beyond the first SSH_BURST of a host start
+# SSH_PACE_SECONDS apart so a many-slot host is not flooded.
+SSH_BURST = 8
+SSH_PACE_SECONDS = 0.1
+
+
+def start_delay(index_on_host: int) -> float:
+    """Seconds to wait before opening the ssh connection of the host's n-th rank."""
+    return max(0, index_on_host - SSH_BURST + 1) * SSH_PACE_SECONDS
 from .local_exec import helper_command
 
 

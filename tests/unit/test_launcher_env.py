@@ -6,7 +6,7 @@ from hvdlike.core import bootstrap
 from hvdlike.launcher import env as rank_env
 from hvdlike.launcher.hosts import HostSlots, assign_ranks
 from hvdlike.launcher.launch_config import SshOptions
-from hvdlike.launcher.ssh_exec import remote_helper_command, ssh_command
+from hvdlike.launcher.ssh_exec import SSH_BURST, remote_helper_command, ssh_command, start_delay
 
 LAUNCHER_ENV = {
     "PATH": "/venv/bin:/usr/bin", "PYTHONPATH": "/src", "VIRTUAL_ENV": "/venv",
@@ -62,3 +62,8 @@ def test_remote_helper_command_line_has_no_secret():
     assert shlex.split(argv[-1]) == ["/usr/bin/python3", "-m", "hvdlike.launcher.remote"]
     argv = remote_helper_command("h1", SshOptions(), "/usr/bin/python3", "/x/remote.py")
     assert shlex.split(argv[-1]) == ["/usr/bin/python3", "/x/remote.py"]
+
+
+def test_many_ranks_on_one_host_open_ssh_paced():
+    assert [start_delay(i) for i in range(SSH_BURST)] == [0.0] * SSH_BURST
+    assert 0 < start_delay(SSH_BURST) < start_delay(SSH_BURST + 1)
