@@ -46,6 +46,8 @@ _BOOL_REDUCE = {
     ReduceOp.MAX: dist.ReduceOp.MAX,
     ReduceOp.PRODUCT: dist.ReduceOp.MIN,
 }
+# Copies a list of tensors in one call (None on builds without it).
+_foreach_copy = getattr(torch, "_foreach_copy_", None)
 # Same-width stand-ins for moving bytes of dtypes Gloo does not handle.
 _MOVE_AS = {torch.bool: torch.uint8, torch.int16: torch.float16}
 
@@ -257,29 +259,37 @@ class Executor:
         total = sum(sizes)
         whole = self.pool.take(total, wire, device)
         flat = whole[:total]
-        offset = 0
-        for (r, entry), n in zip(items, sizes):
-            part = flat[offset:offset + n]
-            if entry is None:
-                part.zero_()
-            else:
-                part.view(entry.tensor.shape).copy_(entry.tensor)
-            offset += n
+        # One torch call per batch, not per tensor: every small op releases and
+        # retakes the GIL, which the training thread is contending for.
+        batched = wire == dtype and _foreach_copy is not None
+        if batched:
+            torch.cat([e.tensor.reshape(-1) if e is not None else flat.new_zeros(n)
+                       for (_, e), n in zip(items, sizes)], out=flat)
+        else:
+            offset = 0
+            for (r, entry), n in zip(items, sizes):
+                part = flat[offset:offset + n]
+                if entry is None:
+                    part.zero_()
+                else:
+                    part.view(entry.tensor.shape).copy_(entry.tensor)
+                offset += n
         scale(flat, self._pre_factor(response))
         work = self._group(response).allreduce([flat], self._reduce_options(response, dtype))
 
         def finalize():
             scale(flat, self._post_factor(response))
-            results = []
-            start = 0
-            for (r, entry), n in zip(items, sizes):
-                if entry is not None:
-                    entry.output.view(-1).copy_(flat[start:start + n])
-                    results.append(entry.output)
-                else:
-                    results.append(None)
-                start += n
-            return results
+            parts = flat.split(sizes)
+            if batched:
+                pairs = [(e.output.view(-1), part) for (_, e), part in zip(items, parts)
+                         if e is not None]
+                if pairs:
+                    _foreach_copy([o for o, _ in pairs], [p for _, p in pairs])
+            else:
+                for (_, entry), part in zip(items, parts):
+                    if entry is not None:
+                        entry.output.view(-1).copy_(part)
+            return [entry.output if entry is not None else None for _, entry in items]
 
         self._submit(work, items, finalize, release=whole)
 
