@@ -72,6 +72,7 @@ class Runtime:
         self.process_sets: Dict[int, ProcessSetState] = {}
         self.fatal: Optional[BaseException] = None
         self._stopping = False
+        self._flush = threading.Event()  # a user thread waits on a pending handle
         self._stopped = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._name_counters: Dict[str, int] = {}
@@ -332,6 +333,8 @@ class Runtime:
                 entry.request = dataclasses.replace(request, root=state.ranks.index(request.root))
 
     def wait(self, handle: Handle, timeout: Optional[float] = None):
+        if not handle.done():
+            self._flush.set()  # someone is blocked on it: cycle now, not at the next tick
         return handle.wait(self.alive_error, timeout)
 
     # -- background thread ---------------------------------------------------------
@@ -392,6 +395,15 @@ class Runtime:
                 # needs this rank meanwhile just waits in its control collective.
                 idle = all(s.controller.idle for s in self.process_sets.values())
                 idle_cycles = idle_cycles + 1 if idle else 0
+                if not idle:
+                    # Work in flight: let submissions gather for the cycle time
+                    # so they fuse into fewer collectives; a thread blocking on
+                    # a handle (synchronize) cuts the wait short.
+                    remaining = cycle_seconds - (time.monotonic() - started)
+                    if remaining > 0 and not self._flush.is_set():
+                        self._flush.wait(remaining)
+                    self._flush.clear()
+                    continue
                 pause = cycle_seconds
                 if idle_cycles > _IDLE_CYCLES_BEFORE_BACKOFF:
                     pause = min(_IDLE_PAUSE_MAX_SECONDS, max(cycle_seconds, 1e-3) * 2 ** min(
