@@ -76,6 +76,9 @@ class Controller:
         self.cycles = 0
         self.slow_cycles = 0
         self.fast_cycles = 0
+        # Seconds the last cycle spent in control collectives (the rest of a
+        # cycle is local bookkeeping per submitted tensor).
+        self.last_control_seconds = 0.0
 
     @property
     def idle(self) -> bool:
@@ -106,6 +109,7 @@ class Controller:
 
     def cycle(self, entries: Sequence[Entry], shutdown: bool = False) -> CycleResult:
         self.cycles += 1
+        self.last_control_seconds = 0.0
         result = CycleResult()
         invalid = set()
         partial_groups = self._partially_cached_groups(entries)
@@ -140,7 +144,9 @@ class Controller:
         vec[2 * n + FLAG_UNCACHED] = 1 if self._to_send else 0
         vec[2 * n + FLAG_SHUTDOWN] = 1 if shutdown else 0
         vec[2 * n + FLAG_JOINED] = 1 if self._joined else 0
+        started = time.perf_counter()
         total = self.control.allreduce_sum(vec)
+        self.last_control_seconds += time.perf_counter() - started
         flags = total[2 * n:]
         if flags[FLAG_SHUTDOWN]:
             result.shutdown = True
@@ -200,7 +206,9 @@ class Controller:
             vote = 0
         else:
             vote = self.sequence.ready_prefix(self._cached) or -1
+        started = time.perf_counter()
         agreed = self._allreduce_min(vote)
+        self.last_control_seconds = time.perf_counter() - started
         if agreed < 0:
             return False
         self.fast_cycles += 1
