@@ -310,7 +310,7 @@ class Runtime:
         for entry in entries:
             entry.enqueued_at = now
             entry.set_id = set_id
-            entry.request = dataclasses.replace(entry.request, rank=state.rank)
+            entry.request = entry.request.with_rank(state.rank)
         state.queue.put(entries)
         if set_id and self.process_sets.get(set_id) is not state:
             # The set was removed meanwhile and its queue drained: nothing runs these.
