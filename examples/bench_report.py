@@ -39,6 +39,9 @@ def ratios(results: dict) -> Dict[str, float]:
     if o:
         out["overhead.negotiation/gloo_1_element"] = _ratio(o["negotiation_cycle"]["median"],
                                                             o["gloo_1_element"]["median"])
+        if "control_collectives" in o:
+            out["overhead.control/gloo_1_element"] = _ratio(o["control_collectives"]["median"],
+                                                            o["gloo_1_element"]["median"])
     return out
 
 
@@ -117,6 +120,10 @@ def table(data: dict) -> str:
                      f"{_ms(o['negotiation_cycle'])} ms   1-element gloo allreduce "
                      f"{_ms(o['gloo_1_element'])} ms   ratio "
                      f"{r['overhead.negotiation/gloo_1_element']:.3f}")
+        if "control_collectives" in o:
+            lines.append(f"  of which control collectives {_ms(o['control_collectives'])} ms "
+                         f"(ratio {r['overhead.control/gloo_1_element']:.3f}), the rest is "
+                         f"per-tensor bookkeeping")
         idle = o["idle_cpu"]
         lines.append(f"  runtime threads CPU while rank sleeps "
                      f"{100 * idle['sleeping']['cpu_fraction_max_rank']:.1f}% of a core, while "

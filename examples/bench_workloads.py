@@ -158,7 +158,7 @@ def overhead(hvd, cfg) -> dict:
     def cycle(entries, *args, **kwargs):
         start = time.perf_counter()
         result = original(entries, *args, **kwargs)
-        cycles.append((time.perf_counter() - start, len(result.work)))
+        cycles.append((time.perf_counter() - start, len(result.work), ctl.last_control_seconds))
         return result
 
     ctl.cycle = cycle  # instance attribute: timing wrapper, removed below
@@ -174,12 +174,16 @@ def overhead(hvd, cfg) -> dict:
                       "gloo_1_element": timed(lambda: dist.all_reduce(one))}
         cycles.clear()
         samples = alternate(contenders, cfg["reps"], cfg["steps"] * 2, cfg["warmup"])
-        full = [t for t, w in cycles if w == n]
+        full = [(t, c) for t, w, c in cycles if w == n]
     finally:
         del ctl.cycle
-    negotiation = slowest_rank(full[-min(len(full), cfg["reps"] * cfg["steps"]):])
+    keep = full[-min(len(full), cfg["reps"] * cfg["steps"]):]
+    negotiation = slowest_rank([t for t, _ in keep])
+    control = slowest_rank([c for _, c in keep])
     out = {"cached_tensors": n,
+           "fast_cycles": ctl.fast_cycles, "cycles": ctl.cycles,
            "negotiation_cycle": summary(negotiation),
+           "control_collectives": summary(control),
            "gloo_1_element": summary(samples["gloo_1_element"]),
            "hvdlike_group_roundtrip": summary(samples["hvdlike_group"])}
     out["idle_cpu"] = idle_cpu(cfg["idle_seconds"])

@@ -1,0 +1,34 @@
+"""The side-by-side benchmark runs end to end in its quick mode (no timing assertions)."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_quick_benchmark_writes_every_workload_and_finite_ratios(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", "benchmark.py"), "--np", "2", "--quick",
+         "--rss-steps", "30", "--json", str(out), "--timeout", "150"],
+        capture_output=True, text=True, timeout=180, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    results = data["results"]
+    assert set(results) == {"train_large", "train_small", "allreduce", "many_small",
+                            "overhead", "rss"}
+    for key in ("train_large", "train_small"):
+        assert results[key]["hvdlike_optimizer"] == "DistributedOptimizer"
+        # Same weights, batches and step count: hvdlike and DDP train identically.
+        assert results[key]["max_param_diff_vs_ddp"] < 1e-5
+        for contender in ("hvdlike", "ddp", "compute"):
+            assert results[key][contender]["n"] >= 2
+    assert data["ratios"], "no ratios computed"
+    for name, value in data["ratios"].items():
+        assert math.isfinite(value) and value > 0, (name, value)
+    assert {t["target"].split()[0] for t in data["targets"]} >= {
+        "train_large", "train_small", "allreduce", "500x4KiB", "negotiation", "RSS"}
+    assert "hvdlike/ddp" in proc.stdout  # the table was printed
