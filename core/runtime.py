@@ -256,6 +256,7 @@ class Runtime:
             self.process_sets = {}
             self.health = None
             self.store = None
+            bootstrap.release_hosted_store()  # a store this rank hosted (mpirun, srun)
 
     @property
     def running(self) -> bool:
