@@ -8,6 +8,7 @@ Every front end re-exports them, so ``hvdlike.rank()`` and
 from __future__ import annotations
 
 import atexit
+import sys
 import threading
 from typing import Optional, Sequence, Union
 
@@ -81,7 +82,28 @@ def init(comm=None, process_sets: Optional[Union[Sequence[ps.ProcessSet], str]] 
         ps.global_process_set.ranks = list(range(_runtime.topology.size))
         if not _atexit_registered:
             atexit.register(shutdown)
+            _chain_excepthook()
             _atexit_registered = True
+
+
+def _chain_excepthook() -> None:
+    """On an uncaught exception, leave at once instead of negotiating a shutdown.
+
+    The traceback prints first (the previous hook runs), then the runtime is
+    aborted: peers see this rank vanish, and their errors quote the reason.
+    This rank exits before them, so a launcher names it as the failure.
+    """
+    previous = sys.excepthook
+
+    def hook(exc_type, exc, tb):
+        previous(exc_type, exc, tb)
+        current = _runtime
+        if current is not None and current.topology.size > 1:
+            text = str(exc).splitlines()[0] if str(exc) else ""
+            current.abort(f"exited with an uncaught {exc_type.__name__}"
+                          + (f": {text}" if text else ""))
+
+    sys.excepthook = hook
 
 
 def shutdown() -> None:

@@ -179,6 +179,24 @@ class Health:
             lines.append(f"  ... and {len(stalled) - MAX_NAMES} more")
         return longest[stalled[0]], "\n".join(lines)
 
+    # -- going away -------------------------------------------------------------------
+
+    def announce(self, reason: str) -> None:
+        """Leave word in the store of why this rank is going away."""
+        try:
+            self._store_op(lambda: self.store.set(f"health/shutdown/{self.rank}", reason))
+        except Exception:  # the store is gone too: peers will see a dead rank
+            pass
+
+    def announcements(self) -> Dict[int, str]:
+        """``{rank: reason}`` of every rank that announced it is going away."""
+        found = {}
+        for r in range(self.size):
+            raw = self._read(f"health/shutdown/{r}")
+            if raw is not None:
+                found[r] = raw.decode()
+        return found
+
     # -- diagnosis after a failure ---------------------------------------------------
 
     def diagnose(self, wait: Optional[float] = None) -> str:
@@ -196,10 +214,14 @@ class Health:
             if r == self.rank or after[r] != before[r]:
                 continue
             try:
+                said = self._read(f"health/shutdown/{r}")
                 left = self._read(f"health/bye/{r}") is not None
                 host = self.host(r)
             except Exception:
-                left, host = False, "unknown host"
-            state = "shut down" if left else "died or stopped responding"
+                said, left, host = None, False, "unknown host"
+            if said is not None:
+                state = said.decode()
+            else:
+                state = "shut down" if left else "died or stopped responding"
             parts.append(f"rank {r} on {host} {state}")
         return "; ".join(parts)

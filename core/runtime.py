@@ -244,6 +244,8 @@ class Runtime:
 
     def shutdown(self, timeout: Optional[float] = None) -> None:
         """Stop negotiating (every rank stops), fail what is pending, free everything."""
+        if not self._stopping and self.fatal is None and self.health is not None:
+            self.health.announce("shut down (called shutdown() or its script ended)")
         self._stopping = True
         for state in list(self.process_sets.values()):
             state.queue.wakeup.set()
@@ -257,6 +259,18 @@ class Runtime:
             self.health = None
             self.store = None
             bootstrap.release_hosted_store()  # a store this rank hosted (mpirun, srun)
+
+    def abort(self, reason: str) -> None:
+        """Stop at once without negotiating (this process is going down).
+
+        Peers learn it from their next collective failing; the reason is left
+        in the store so their error names this rank and why it went away.
+        """
+        if self.fatal is not None:
+            return
+        if self.health is not None:
+            self.health.announce(reason)
+        self._set_fatal(HvdlikeInternalError(f"rank {self.topology.rank}: {reason}"))
 
     @property
     def running(self) -> bool:
@@ -461,9 +475,23 @@ class Runtime:
                 apply()
         return False
 
+    def _shutdown_reason(self) -> str:
+        """Why pending collectives cannot complete after a negotiated shutdown."""
+        text = "hvdlike was shut down before this collective completed"
+        if self.health is None:
+            return text
+        try:
+            others = {r: why for r, why in self.health.announcements().items()
+                      if r != self.topology.rank}
+        except Exception:  # the store went down with the job
+            others = {}
+        if not others:
+            return text
+        who = "; ".join(f"rank {r} on {self.health.host(r)} {why}" for r, why in sorted(others.items()))
+        return f"{text}: {who}"
+
     def _teardown(self) -> None:
-        reason = self.fatal or HvdlikeInternalError(
-            "hvdlike was shut down before this collective completed")
+        reason = self.fatal or HvdlikeInternalError(self._shutdown_reason())
         for state in self.process_sets.values():
             state.executor.finisher.close(self.config.gloo_timeout_seconds)
             for entry in state.controller.pending_entries() + state.queue.drain():

@@ -193,10 +193,29 @@ def failure_summary(worker: Worker) -> str:
         f"rank {worker.rank} on host {worker.host} "
         f"{describe_exit(worker.exit_code, worker.remote)}"
     ]
-    if worker.stderr_tail:
-        lines.append(f"last {len(worker.stderr_tail)} line(s) of rank {worker.rank} stderr:")
-        lines.extend(f"    {text}" for text in worker.stderr_tail)
+    tail = without_traceback_frames(list(worker.stderr_tail))
+    if tail:
+        lines.append(f"last line(s) of rank {worker.rank} stderr:")
+        lines.extend(f"    {text}" for text in tail)
     return "\n".join(lines)
+
+
+def without_traceback_frames(lines: List[str]) -> List[str]:
+    """``lines`` with Python traceback frames left out, keeping the exception line.
+
+    The traceback was already streamed with the rank's prefix; the summary
+    repeats only what it ended with, so the traceback appears once.
+    """
+    kept, in_traceback = [], False
+    for text in lines:
+        if text.startswith("Traceback (most recent call last):"):
+            in_traceback = True
+            continue
+        if in_traceback and (text.startswith(" ") or not text.strip()):
+            continue
+        in_traceback = False
+        kept.append(text)
+    return kept
 
 
 def _exit_code_for(code: int) -> int:

@@ -224,3 +224,34 @@ def test_stall_in_process_set_names_only_its_members():
     assert codes == [0, 0, 0], outputs
     assert "'sub' (process set 1)" in outputs[0], outputs[0]
     assert "missing rank(s) 2 (" in outputs[0] and "missing rank(s) 1" not in outputs[0]
+
+
+def _peer_raises():
+    import sys
+
+    import hvdlike.torch as hvd
+    from hvdlike.core.errors import HorovodInternalError
+
+    hvd.init()
+    for step in range(3):
+        hvd.allreduce(torch.ones(4), name=f"s{step}")
+    if hvd.rank() == 1:
+        try:
+            raise ValueError("shard 1 is corrupt")
+        except ValueError:
+            sys.excepthook(*sys.exc_info())  # what the interpreter does when it is uncaught
+        os._exit(1)
+    try:
+        for step in range(3, 10000):
+            hvd.allreduce(torch.ones(4), name=f"s{step}")
+    except HorovodInternalError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_peer_error_quotes_the_uncaught_exception_of_the_rank_that_left():
+    codes, outputs = run_ranks(_peer_raises, np=2, expect_failure=True, timeout=60)
+    assert codes == [0, 1], outputs
+    assert "ValueError: shard 1 is corrupt" in outputs[1]
+    text = outputs[0]
+    assert "rank 1 on" in text and "exited with an uncaught ValueError: shard 1 is corrupt" in text

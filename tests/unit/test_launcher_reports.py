@@ -32,8 +32,21 @@ def test_failure_summary_names_rank_host_reason_and_stderr_tail():
         worker.stderr_tail.append(line)
     summary = failure_summary(worker).splitlines()
     assert summary[0] == "rank 1 on host h2 was killed by signal 9 (SIGKILL)"
-    assert summary[1] == "last 10 line(s) of rank 1 stderr:"
+    assert summary[1] == "last line(s) of rank 1 stderr:"
     assert summary[-1] == "    line 19" and len(summary) == 12
+
+
+def test_failure_summary_keeps_only_the_exception_line_of_a_traceback():
+    placement = assign_ranks([HostSlots("h1", 1), HostSlots("h2", 1)], 2)[1]
+    worker = Worker(placement, ["true"], {}, remote=False, output=Output())
+    worker.exit_code = 1
+    for line in ["loading shard", "Traceback (most recent call last):",
+                 '  File "train.py", line 8, in <module>', '    raise ValueError("bad")',
+                 "ValueError: bad", "[hvdlike rank 1] ERROR: exited"]:
+        worker.stderr_tail.append(line)
+    summary = failure_summary(worker).splitlines()
+    assert summary[2:] == ["    loading shard", "    ValueError: bad",
+                           "    [hvdlike rank 1] ERROR: exited"]
 
 
 def _check(returncode=0, stdout="", stderr="", command="python"):
