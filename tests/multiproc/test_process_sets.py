@@ -259,6 +259,7 @@ def _dynamic_knob():
     s0, s1 = hvd.add_process_set([0]), hvd.add_process_set([1])
     mine = s0 if r == 0 else s1
     got = hvd.allreduce(torch.tensor([float(r)]), process_set=mine).tolist()
+    hvd.barrier()  # shutdown() ends every rank's pending work, including other sets'
     hvd.shutdown()
     return got
 
