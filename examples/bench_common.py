@@ -53,6 +53,13 @@ def slowest_rank(values: List[float]) -> List[float]:
     return t.tolist()
 
 
+def fastest_rank(values: List[float]) -> List[float]:
+    """Element-wise minimum of ``values`` over ranks."""
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return t.tolist()
+
+
 def median(values: List[float]) -> float:
     return statistics.median(values) if values else float("nan")
 

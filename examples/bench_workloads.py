@@ -23,7 +23,7 @@ from typing import Dict, List
 import torch
 import torch.distributed as dist
 
-from bench_common import (alternate, batch, loadavg, make_model, median, rss_bytes, slowest_rank,
+from bench_common import (alternate, batch, fastest_rank, loadavg, make_model, median, rss_bytes, slowest_rank,
                           summary, thread_cpu_seconds, threads_named, timed, train_step)
 
 KIB = 1024
@@ -178,12 +178,16 @@ def overhead(hvd, cfg) -> dict:
     finally:
         del ctl.cycle
     keep = full[-min(len(full), cfg["reps"] * cfg["steps"]):]
+    # A cycle's control collective also holds the time one rank waits for the
+    # other to arrive; the last rank to arrive sees the collective's own cost.
     negotiation = slowest_rank([t for t, _ in keep])
-    control = slowest_rank([c for _, c in keep])
+    control = fastest_rank([c for _, c in keep])
+    bookkeeping = slowest_rank([t - c for t, c in keep])
     out = {"cached_tensors": n,
            "fast_cycles": ctl.fast_cycles, "cycles": ctl.cycles,
            "negotiation_cycle": summary(negotiation),
            "control_collectives": summary(control),
+           "bookkeeping": summary(bookkeeping),
            "gloo_1_element": summary(samples["gloo_1_element"]),
            "hvdlike_group_roundtrip": summary(samples["hvdlike_group"])}
     out["idle_cpu"] = idle_cpu(cfg["idle_seconds"])
