@@ -30,5 +30,5 @@ def test_quick_benchmark_writes_every_workload_and_finite_ratios(tmp_path):
     for name, value in data["ratios"].items():
         assert math.isfinite(value) and value > 0, (name, value)
     assert {t["target"].split()[0] for t in data["targets"]} >= {
-        "train_large", "train_small", "allreduce", "500x4KiB", "negotiation", "RSS"}
+        "train_large", "train_small", "allreduce", "500x4KiB", "control", "whole", "RSS"}
     assert "hvdlike/ddp" in proc.stdout  # the table was printed
