@@ -112,14 +112,14 @@ class Controller:
         self.last_control_seconds = 0.0
         result = CycleResult()
         invalid = set()
-        partial_groups = self._partially_cached_groups(entries)
-        for entry in entries:
+        lookups = [self.cache.lookup(e.request) for e in entries]
+        partial_groups = self._partially_cached_groups(entries, lookups)
+        for entry, (kind, slot) in zip(entries, lookups):
             req = entry.request
             if req.op == OpType.JOIN:
                 self._joined = True
                 self._miss(entry)
                 continue
-            kind, slot = self.cache.lookup(req)
             if req.group and req.group in partial_groups and kind is Lookup.HIT:
                 self._miss(entry)  # a group is negotiated whole (see below)
             elif kind is Lookup.HIT and slot not in self._cached:
@@ -169,7 +169,7 @@ class Controller:
             result.stalled = self.coordinator.pending()
         return result
 
-    def _partially_cached_groups(self, entries: Sequence[Entry]) -> set:
+    def _partially_cached_groups(self, entries: Sequence[Entry], lookups) -> set:
         """Groups with some members cached and some not.
 
         The coordinator releases a group only once all its members were
@@ -178,11 +178,10 @@ class Controller:
         are identical on every rank, so every rank decides alike.
         """
         hits: Dict[str, List[bool]] = {}
-        for entry in entries:
-            req = entry.request
-            if req.group:
-                hits.setdefault(req.group, []).append(
-                    self.cache.lookup(req)[0] is Lookup.HIT)
+        for entry, (kind, _) in zip(entries, lookups):
+            group = entry.request.group
+            if group:
+                hits.setdefault(group, []).append(kind is Lookup.HIT)
         return {g for g, h in hits.items() if any(h) and not all(h)}
 
     def _run_cached(self, slot: int, result: CycleResult) -> None:
