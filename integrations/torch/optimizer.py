@@ -6,6 +6,13 @@ parameter. When a parameter's gradient is complete for this step (after
 asynchronous allreduce, so communication overlaps the rest of the backward
 pass. ``step()`` waits for the reductions, then runs the wrapped optimizer.
 
+Small dense gradients (op Average or Sum, no ``groups``) travel in *buckets*:
+each hook copies its gradient into a flat buffer shared with its neighbours
+and the full buffer leaves as one allreduce, which saves the per-gradient
+cost of a request on models with many small tensors. Buckets are assigned at
+construction, identically on every rank; ``synchronize()`` completes a bucket
+with zeros for the gradients this rank did not produce.
+
 A *round* of gradient reduction opens with the first hook after the last
 synchronization and closes at ``synchronize()``. When the round closes,
 parameters whose hook did not fire on this rank (an unused branch, a
@@ -25,11 +32,19 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
+from hvdlike.core import api as _core_api
 from hvdlike.core.process_sets import global_process_set
 
 from . import ops
 from .compression import Compression
 from .sparse import sparse_allreduce_async
+
+# Largest bucket, like DDP's default; a smaller core fusion threshold wins.
+BUCKET_CAP_BYTES = 25 * 1024 * 1024
+# Gradients this large (or above the cap) skip buckets: their per-gradient cost
+# is small next to their transfer, reducing them in place saves two copies, and
+# each can leave as soon as backward produces it.
+LARGE_GRADIENT_BYTES = 1024 * 1024
 
 _HOOK_OVERFLOW = (
     "the gradient of {name!r} was computed more than backward_passes_per_step={k} time(s) "
@@ -73,6 +88,10 @@ class _Distributed:
         self._hvd_group_ready: Dict[int, set] = {}
         self._hvd_register_all()
         self._hvd_build_groups(num_groups, groups)
+        self._hvd_buckets: List[_Bucket] = []
+        self._hvd_bucket_of: Dict[torch.Tensor, Tuple[_Bucket, int]] = {}
+        if op != ops.Adasum and not self._hvd_groups:
+            self._hvd_build_buckets()
 
     def _hvd_params(self) -> Iterable[Tuple[int, int, torch.Tensor]]:
         for gi, group in enumerate(self.param_groups):
@@ -121,6 +140,75 @@ class _Distributed:
             member_lists = []
         self._hvd_groups = member_lists
 
+    def _hvd_build_buckets(self) -> None:
+        """Pack dense trainable parameters into flat buckets, one allreduce each.
+
+        Gradients arrive roughly in reverse registration order, so buckets are
+        filled in that order and the first one can leave early in backward.
+        The assignment depends only on the parameter list, so it is the same
+        on every rank, and so are the bucket names.
+        """
+        threshold = _core_api.runtime().config.fusion_threshold
+        if threshold == 0:  # fusion disabled: keep one reduction per gradient
+            return
+        cap = min(threshold, BUCKET_CAP_BYTES)
+        open_by_kind: Dict[tuple, List[torch.Tensor]] = {}
+        closed: List[List[torch.Tensor]] = []
+        sizes: Dict[tuple, int] = {}
+        for _, _, p in reversed(list(self._hvd_params())):
+            if not p.requires_grad or p.is_sparse:
+                continue
+            kind = (p.dtype, p.device)
+            nbytes = p.numel() * p.element_size()
+            if nbytes >= min(cap, LARGE_GRADIENT_BYTES):
+                continue
+            members = open_by_kind.setdefault(kind, [])
+            if members and sizes[kind] + nbytes > cap:
+                closed.append(members)
+                members = open_by_kind[kind] = []
+                sizes[kind] = 0
+            members.append(p)
+            sizes[kind] = sizes.get(kind, 0) + nbytes
+        closed.extend(m for m in open_by_kind.values() if m)
+        for i, members in enumerate(closed):
+            # The span of member names tells a stall report which gradients are late.
+            first, last = self._hvd_names[members[0]], self._hvd_names[members[-1]]
+            span = first if len(members) == 1 else f"{first}..{last}"
+            bucket = _Bucket(i, f"DistributedOptimizer.bucket.{i}.{span}", members)
+            self._hvd_buckets.append(bucket)
+            for slot, p in enumerate(members):
+                self._hvd_bucket_of[p] = (bucket, slot)
+
+    def _hvd_fill(self, bucket: "_Bucket", slot: int, p: torch.Tensor) -> None:
+        """Put ``p``'s gradient (zeros if none) in its slot; launch a full bucket."""
+        view = bucket.views[slot]
+        # A parameter frozen since construction contributes zeros, as it is not reduced.
+        grad = p.grad if p.requires_grad else None
+        if grad is not None and grad.is_sparse:
+            if self._hvd_sparse_as_dense:
+                grad = p.grad = grad.to_dense()
+            else:
+                # Sparse gradients keep their own gather; the slot travels as zeros.
+                self._hvd_launch(p)
+                grad = None
+        if grad is None:
+            view.zero_()
+        else:
+            view.copy_(grad)
+        bucket.filled[slot] = True
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            self._hvd_launch_bucket(bucket)
+
+    def _hvd_launch_bucket(self, bucket: "_Bucket") -> None:
+        compressed, ctx = self._hvd_compression.compress(bucket.flat)
+        handle = ops.allreduce_async_(compressed, name=bucket.name, op=self._hvd_op,
+                                      prescale_factor=self._hvd_prescale,
+                                      postscale_factor=self._hvd_postscale,
+                                      process_set=self._hvd_process_set)
+        self._hvd_handles[("bucket", bucket.index)] = ("bucket", handle, compressed,
+                                                       (bucket, ctx))
+
     def _hvd_hook(self, p: torch.Tensor) -> None:
         count = self._hvd_passes.get(p, 0) + 1
         if count > self._hvd_k:
@@ -128,6 +216,12 @@ class _Distributed:
         self._hvd_passes[p] = count
         self._hvd_round_open = True
         if count < self._hvd_k:
+            return
+        where = self._hvd_bucket_of.get(p)
+        if where is not None:
+            bucket, slot = where
+            if not bucket.filled[slot]:
+                self._hvd_fill(bucket, slot, p)
             return
         gi = self._hvd_group_of.get(p)
         if gi is None:
@@ -188,11 +282,17 @@ class _Distributed:
         for gi in range(len(self._hvd_groups)):
             if gi not in launched_groups and any(p.requires_grad for p in self._hvd_groups[gi]):
                 self._hvd_launch_group(gi)
+        for bucket in self._hvd_buckets:
+            # Every rank submits every bucket, missing gradients as zeros.
+            for slot, p in enumerate(bucket.members):
+                if not bucket.filled[slot]:
+                    self._hvd_fill(bucket, slot, p)
         for _, _, p in self._hvd_params():
             if (p.requires_grad and p not in self._hvd_handles
-                    and self._hvd_group_of.get(p) is None):
+                    and self._hvd_group_of.get(p) is None and p not in self._hvd_bucket_of):
                 self._hvd_launch(p)
         handles, self._hvd_handles = self._hvd_handles, {}
+        self._hvd_reset_buckets()
         self._hvd_passes = {}
         self._hvd_group_ready = {}
         self._hvd_round_open = False
@@ -203,11 +303,32 @@ class _Distributed:
                 out = ops.synchronize(handle)
                 if payload is not key.grad:
                     key.grad.copy_(self._hvd_compression.decompress(out, extra))
+            elif kind == "bucket":
+                bucket, ctx = extra
+                out = ops.synchronize(handle)
+                if payload is not bucket.flat:
+                    bucket.flat.copy_(self._hvd_compression.decompress(out, ctx))
+                self._hvd_unpack(bucket)
             else:
                 outs = ops.synchronize(handle)
                 for p, out, (compressed, ctx) in zip(extra, outs, payload):
                     if compressed is not p.grad:
                         p.grad.copy_(self._hvd_compression.decompress(out, ctx))
+
+    def _hvd_unpack(self, bucket: "_Bucket") -> None:
+        for p, view in zip(bucket.members, bucket.views):
+            if not p.requires_grad:
+                continue  # frozen since construction: its gradient is left alone
+            grad = p.grad
+            if grad is not None and grad.is_sparse:
+                continue  # reduced by its own sparse handle
+            if grad is None:
+                p.grad = torch.empty_like(p, memory_format=torch.preserve_format)
+            p.grad.copy_(view)
+
+    def _hvd_reset_buckets(self) -> None:
+        for bucket in self._hvd_buckets:
+            bucket.reset()
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Change ``backward_passes_per_step`` (between steps, on every rank alike)."""
@@ -253,7 +374,7 @@ class _Distributed:
     step.hooked = True  # torch's profiling wrapper already wraps the base class's step
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self._hvd_handles:
+        if self._hvd_handles or any(b.pending < len(b.members) for b in self._hvd_buckets):
             raise RuntimeError(
                 "DistributedOptimizer.zero_grad() was called after backward() but before "
                 "step() or synchronize(): gradients are still being reduced; call step() "
@@ -267,6 +388,27 @@ class _Distributed:
         super().add_param_group(param_group)
         if hasattr(self, "_hvd_hooks"):
             self._hvd_register_all()
+
+
+class _Bucket:
+    """A flat buffer holding several parameters' gradients, reduced as one tensor."""
+
+    def __init__(self, index: int, name: str, members: List[torch.Tensor]) -> None:
+        self.index = index
+        self.name = name
+        self.members = members
+        total = sum(p.numel() for p in members)
+        self.flat = torch.empty(total, dtype=members[0].dtype, device=members[0].device)
+        self.views = []
+        offset = 0
+        for p in members:
+            self.views.append(self.flat[offset:offset + p.numel()].view(p.shape))
+            offset += p.numel()
+        self.reset()
+
+    def reset(self) -> None:
+        self.filled = [False] * len(self.members)
+        self.pending = len(self.members)
 
 
 _CLASSES: Dict[type, type] = {}

@@ -6,6 +6,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hvdlike.torch as hvd
+from hvdlike.torch import optimizer as optimizer_module
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -22,6 +23,12 @@ def _model():
 
 def _loss(model):
     return F.mse_loss(model(torch.randn(5, 3)), torch.randn(5, 1))
+
+
+@pytest.fixture
+def bucket_per_gradient(monkeypatch):
+    """A 1-byte bucket cap: every gradient skips buckets (one reduction, one handle each)."""
+    monkeypatch.setattr(optimizer_module, "BUCKET_CAP_BYTES", 1)
 
 
 def test_rejects_a_non_optimizer():
@@ -230,7 +237,7 @@ def test_sync_batch_norm_on_one_rank_is_batch_norm():
         sync(torch.randn(3))
 
 
-def test_reductions_start_during_backward_not_at_step():
+def test_reductions_start_during_backward_not_at_step(bucket_per_gradient):
     m = _model()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
                                    named_parameters=m.named_parameters())
@@ -249,7 +256,7 @@ def test_reductions_start_during_backward_not_at_step():
     assert opt._hvd_handles == {}
 
 
-def test_rewrapping_the_same_parameters_leaves_one_active_hook():
+def test_rewrapping_the_same_parameters_leaves_one_active_hook(bucket_per_gradient):
     m = _model()
     first = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
                                      named_parameters=m.named_parameters())
@@ -281,7 +288,7 @@ def test_amp_grad_scaler_recipe():
     assert 0 < moved <= 0.1 * 1e-3 + 1e-7  # lr * clipped norm bounds every change
 
 
-def test_set_backward_passes_per_step():
+def test_set_backward_passes_per_step(bucket_per_gradient):
     m = _model()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1))
     opt.set_backward_passes_per_step(2)
@@ -294,3 +301,28 @@ def test_set_backward_passes_per_step():
     opt.step()
     with pytest.raises(ValueError, match=">= 1"):
         opt.set_backward_passes_per_step(0)
+
+
+def test_gradients_travel_in_one_bucket_and_come_back_to_each_parameter():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1), nn.Linear(2, 2))
+    m[3].weight.requires_grad_(False)  # frozen: stays without a gradient
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                   named_parameters=m.named_parameters())
+    assert len(opt._hvd_buckets) == 1
+    bucket = opt._hvd_buckets[0]
+    # Reverse registration order; the frozen weight is not in the bucket.
+    assert bucket.members == [m[3].bias, m[2].bias, m[2].weight, m[0].bias, m[0].weight]
+    _loss(m[:3]).backward()  # m[3] unused: its bias gets no gradient this step
+    expected = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+    assert list(opt._hvd_handles) == []  # one gradient (m[3].bias) still missing
+    opt.synchronize()
+    for n, p in m.named_parameters():
+        if n in expected:
+            assert torch.equal(p.grad, expected[n]), n  # one rank: the average is itself
+    assert torch.equal(m[3].bias.grad, torch.zeros(2)) and m[3].weight.grad is None
+    opt.zero_grad()
+    _loss(m[:3]).backward()
+    with pytest.raises(RuntimeError, match="before step"):
+        opt.zero_grad()
+    opt.step()
