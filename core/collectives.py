@@ -9,7 +9,7 @@ site; checks across ranks happen in the coordinator.
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Sequence
 
 import torch
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
-from .messages import OpType, ReduceOp, Request, Response
+from .messages import OpType, Request, Response
 
 
 def _mismatch(name: str, what: str, requests: Sequence[Request]) -> str:

@@ -17,7 +17,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 from . import bootstrap, config as config_mod
 from .controller import Controller
-from .errors import HvdlikeInternalError, NotInitializedError
+from .errors import HvdlikeInternalError
 from .messages import OpType
 from .executor import Executor
 from .handles import Handle

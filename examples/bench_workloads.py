@@ -23,7 +23,7 @@ from typing import Dict, List
 import torch
 import torch.distributed as dist
 
-from bench_common import (alternate, batch, fastest_rank, loadavg, make_model, median, rss_bytes, slowest_rank,
+from bench_common import (alternate, batch, fastest_rank, loadavg, make_model, rss_bytes, slowest_rank,
                           summary, thread_cpu_seconds, threads_named, timed, train_step)
 
 KIB = 1024

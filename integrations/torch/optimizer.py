@@ -28,7 +28,7 @@ import contextlib
 import itertools
 import warnings
 import weakref
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, Tuple
 
 import torch
 

@@ -4,7 +4,6 @@ import os
 import signal
 import time
 
-import pytest
 import torch
 
 from tests.multiproc.harness import run_ranks
