@@ -141,3 +141,24 @@ def netns_cluster():
         yield cluster
     finally:
         cluster.teardown()
+
+
+# A rank script that loops over real collectives until told otherwise; each rank
+# writes ready.<rank> (with its pid) beside the script once its first collective succeeded.
+TRAINING = """
+    import os, time
+    import torch
+    torch.set_num_threads(1)
+    import hvdlike.torch as hvd
+
+    hvd.init()
+    here = os.path.dirname(os.path.abspath(__file__))
+    step = 0
+    while True:
+        hvd.allreduce(torch.ones(4), name=f"step{step}")
+        if step == 0:
+            with open(os.path.join(here, f"ready.{hvd.rank()}"), "w") as f:
+                f.write(str(os.getpid()))
+        step += 1
+        time.sleep(0.05)
+"""

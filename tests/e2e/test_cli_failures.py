@@ -7,28 +7,7 @@ import time
 
 import psutil
 
-from .conftest import finish, kill_session, run, start, wait_until_gone
-
-# Ranks loop over real collectives until told otherwise; each writes ready.<rank>
-# (with its pid) once its first collective succeeded.
-TRAINING = """
-    import os, sys, time
-    import torch
-    torch.set_num_threads(1)
-    import hvdlike.torch as hvd
-
-    hvd.init()
-    here = os.path.dirname(os.path.abspath(__file__))
-    step = 0
-    while True:
-        hvd.allreduce(torch.ones(4), name=f"step{step}")
-        if step == 0:
-            with open(os.path.join(here, f"ready.{hvd.rank()}"), "w") as f:
-                f.write(str(os.getpid()))
-        step += 1
-        time.sleep(0.05)
-"""
-
+from .conftest import TRAINING, finish, kill_session, run, start, wait_until_gone
 
 # The same without collectives: for tests of the launcher alone (cheaper to start).
 SLEEPER = """

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from .conftest import finish, kill_session, run, start, wait_until_gone
+from .conftest import TRAINING, finish, kill_session, run, start, wait_until_gone
 
 pytestmark = pytest.mark.netns
 
@@ -39,23 +39,6 @@ COLLECTIVES = """
     hvd.shutdown()
 """
 
-TRAINING = """
-    import os, time
-    import torch
-    torch.set_num_threads(1)
-    import hvdlike.torch as hvd
-
-    hvd.init()
-    here = os.path.dirname(os.path.abspath(__file__))
-    step = 0
-    while True:
-        hvd.allreduce(torch.ones(4), name=f"step{step}")
-        if step == 0:
-            with open(os.path.join(here, f"ready.{hvd.rank()}"), "w") as f:
-                f.write(str(os.getpid()))
-        step += 1
-        time.sleep(0.05)
-"""
 
 
 def _script(folder, body):

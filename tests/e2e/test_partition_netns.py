@@ -5,8 +5,8 @@ import time
 
 import pytest
 
-from .conftest import finish, kill_session, launcher_env, start
-from .test_multihost_netns import TRAINING, _script
+from .conftest import TRAINING, finish, kill_session, launcher_env, start
+from .test_multihost_netns import _script
 
 pytestmark = pytest.mark.netns
 
