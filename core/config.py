@@ -70,6 +70,16 @@ def _log_level(text: str) -> str:
     return low
 
 
+def _choice(*allowed: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        low = text.strip().lower()
+        if low not in allowed:
+            raise ValueError("one of " + ", ".join(allowed))
+        return low
+
+    return parse
+
+
 def _string(text: str) -> str:
     return text
 
@@ -151,6 +161,12 @@ KNOBS = (
     Knob("dynamic_process_sets", False, _parse_bool,
          "allow add_process_set/remove_process_set after init()",
          flag="--dynamic-process-sets"),
+    Knob("controller", "auto", _choice("auto", "gloo", "mpi"),
+         "engine of the negotiation: auto (MPI when started by mpirun), gloo or mpi",
+         flag="--controller"),
+    Knob("cpu_operations", "auto", _choice("auto", "gloo", "mpi"),
+         "engine of CPU tensor collectives: auto (MPI when started by mpirun), gloo or mpi",
+         flag="--cpu-operations"),
     Knob("disable_group_fusion", False, _parse_bool,
          "do not fuse the members of grouped collectives with other tensors",
          flag="--disable-group-fusion"),
@@ -177,6 +193,8 @@ class Config:
     gloo_timeout_seconds: float = 30.0
     start_timeout: float = 60.0
     dynamic_process_sets: bool = False
+    controller: str = "auto"
+    cpu_operations: str = "auto"
     disable_group_fusion: bool = False
 
     @property

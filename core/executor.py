@@ -124,6 +124,7 @@ class Executor:
         self.fusion_threshold = fusion_threshold
         self.complete = complete
         self.pool = fusion.BufferPool()
+        self.explain = explain
         self.finisher = Finisher(explain)
         self.launched = 0
 
@@ -173,6 +174,16 @@ class Executor:
         if self.timeline is not None:
             done = self.timeline.wrap(items, self._batch_started, done)
         self.launched += 1
+        if getattr(work, "inline", False):
+            # A blocking engine (MPI, see mpi_plane.py) runs on this thread, in
+            # launch order, as Horovod's background thread does: no hand-off to
+            # the finisher, and one thread issues every call on the communicator.
+            try:
+                work.wait()
+                done()
+            except BaseException as exc:
+                fail(self.explain(exc))
+            return
         self.finisher.submit(work, done, fail)
 
     def _group(self, response: Response):

@@ -39,7 +39,7 @@ class ProcessSetState:
     """Everything one process set needs on a member rank."""
 
     def __init__(self, set_id: int, ranks: Sequence[int], global_rank: int, store, cfg,
-                 local_addr: str, complete, explain):
+                 local_addr: str, complete, explain, engines=("gloo", "gloo")):
         self.id = set_id
         self.ranks = list(ranks)
         self.rank = self.ranks.index(global_rank)
@@ -47,10 +47,25 @@ class ProcessSetState:
         self.queue = TensorQueue()
         import torch.distributed as dist
 
+        controller_engine, cpu_engine = engines
         self.groups = Groups(dist.PrefixStore(f"ps{set_id}/", store), self.rank, self.size,
-                             cfg.gloo_timeout_seconds, local_addr)
-        self.controller = Controller(GlooControlPlane(self.groups.control, self.rank, self.size),
-                                     cfg.cache_capacity)
+                             cfg.gloo_timeout_seconds, local_addr,
+                             gloo_control=controller_engine == "gloo")
+        if "mpi" in engines:
+            from . import mpi_plane
+
+            comm = mpi_plane.set_comm(self.ranks, set_id)
+            if cpu_engine == "mpi":
+                self.groups.cpu_plane = mpi_plane.MpiDataGroup(
+                    comm.Dup(), lambda: self.groups.torch_group("cpu"))
+            if controller_engine == "mpi":
+                control = mpi_plane.MpiControlPlane(comm, self.rank, self.size)
+                self.groups.closers.append(control.close)
+            else:
+                mpi_plane.free(comm)
+        if controller_engine == "gloo":
+            control = GlooControlPlane(self.groups.control, self.rank, self.size)
+        self.controller = Controller(control, cfg.cache_capacity)
         self.executor = Executor(self.groups, self.rank, self.size, cfg.fusion_threshold,
                                  complete, explain)
 
@@ -63,6 +78,7 @@ class Runtime:
     """A live hvdlike job in this process."""
 
     timeline = None  # a core.timeline.Timeline while recording (see core/timeline.py)
+    engines = ("gloo", "gloo")  # (negotiation, CPU tensors): see mpi_plane.choose
 
     def __init__(self, cfg: config_mod.Config, topology: bootstrap.Topology,
                  rendezvous: bootstrap.Rendezvous):
@@ -111,6 +127,11 @@ class Runtime:
             local_addr = (bootstrap.local_address_towards(rendezvous.addr, rendezvous.port)
                           if rendezvous.addr else "127.0.0.1")
         runtime.local_addr = local_addr
+        from . import mpi_plane
+
+        runtime.engines = mpi_plane.choose(cfg.controller, cfg.cpu_operations,
+                                           rendezvous.launcher, topology.rank, topology.size,
+                                           environ)
         try:
             runtime.add_process_set(0, range(topology.size))
         except Exception as exc:
@@ -162,7 +183,7 @@ class Runtime:
         if self.topology.rank not in ranks:
             return None
         state = ProcessSetState(set_id, ranks, self.topology.rank, self.store, self.config,
-                                self.local_addr, self._complete, self._explain)
+                                self.local_addr, self._complete, self._explain, self.engines)
         return state
 
     def install_process_set(self, set_id: int, ranks: Sequence[int],

@@ -51,7 +51,8 @@ def _nccl_group(store, rank: int, size: int, timeout: datetime.timedelta):
 class Groups:
     """Creates and owns the process groups of one process set."""
 
-    def __init__(self, store, rank: int, size: int, timeout_seconds: float, local_addr: str = ""):
+    def __init__(self, store, rank: int, size: int, timeout_seconds: float, local_addr: str = "",
+                 gloo_control: bool = True):
         self.store = store
         self.rank = rank
         self.size = size
@@ -59,11 +60,21 @@ class Groups:
         self.local_addr = local_addr
         self._lock = threading.Lock()
         self._data: Dict[str, object] = {}
+        # None when negotiation runs on MPI (see mpi_plane.py).
         self.control = _gloo_group(dist.PrefixStore("control/", store), rank, size,
-                                   self.timeout, local_addr)
+                                   self.timeout, local_addr) if gloo_control else None
+        # The group CPU tensors use when it is not Gloo (an mpi_plane.MpiDataGroup).
+        self.cpu_plane = None
+        self.closers: List = []  # extra releases (an MPI control plane) run by close()
 
     def data(self, device_type: str):
         """The data-plane group for tensors on ``device_type`` ('cpu' or 'cuda')."""
+        if device_type == "cpu" and self.cpu_plane is not None:
+            return self.cpu_plane
+        return self.torch_group(device_type)
+
+    def torch_group(self, device_type: str):
+        """The torch.distributed group (Gloo, or NCCL for 'cuda') for ``device_type``."""
         with self._lock:
             group = self._data.get(device_type)
             if group is None:
@@ -77,7 +88,9 @@ class Groups:
             return group
 
     def close(self) -> None:
-        for group in [self.control, *self._data.values()]:
+        for group in [self.control, self.cpu_plane, *self._data.values()]:
+            if group is None:
+                continue
             shutdown = getattr(group, "shutdown", None)
             if shutdown is not None:
                 try:
@@ -85,6 +98,9 @@ class Groups:
                 except Exception:  # already broken: nothing more to release
                     pass
         self._data.clear()
+        for release in self.closers:
+            release()
+        self.closers = []
 
 
 class GlooControlPlane:

@@ -86,7 +86,9 @@ def table(data: dict) -> str:
     lines = [f"hvdlike benchmark  np={meta['np']}  torch {meta['torch']}  "
              f"threads/rank={meta['torch_threads']}  cpus={meta['cpus']}  "
              f"started {meta['started_utc']}  ({meta['seconds']:.0f} s, load "
-             f"{meta['loadavg_start']} -> {meta['loadavg_end']})", ""]
+             f"{meta['loadavg_start']} -> {meta['loadavg_end']})",
+             f"hvdlike control plane {meta.get('hvdlike_controller', 'gloo')}, CPU data plane "
+             f"{meta.get('hvdlike_cpu_operations', 'gloo')}; DDP and raw contenders on Gloo", ""]
     for key, title in (("train_large", "training step"), ("train_small", "training step")):
         t = res.get(key)
         if not t:

@@ -240,10 +240,17 @@ def rss(hvd, cfg) -> dict:
 
 def main(cfg: dict) -> None:
     torch.set_num_threads(1)
+    for rank_var, size_var in (("PMI_RANK", "PMI_SIZE"),
+                               ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")):
+        if rank_var in os.environ and "RANK" not in os.environ:  # started by mpirun
+            os.environ.update(RANK=os.environ[rank_var], WORLD_SIZE=os.environ[size_var])
     dist.init_process_group("gloo")
     import hvdlike.torch as hvd
 
     hvd.init()
+    from hvdlike.core import api as core_api
+
+    controller, cpu_operations = getattr(core_api.runtime(), "engines", ("gloo", "gloo"))
     started = time.time()
     load0 = loadavg()
     results: Dict[str, object] = {}
@@ -265,7 +272,8 @@ def main(cfg: dict) -> None:
             "torch_threads": torch.get_num_threads(), "started_utc": time.strftime(
                 "%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
             "seconds": time.time() - started, "loadavg_start": load0, "loadavg_end": loadavg(),
-            "settings": cfg}
+            "settings": cfg, "hvdlike_controller": controller,
+            "hvdlike_cpu_operations": cpu_operations}
     hvd.shutdown()
     dist.barrier()
     if dist.get_rank() == 0:

@@ -29,6 +29,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -62,6 +64,12 @@ def settings(args) -> dict:
     return cfg
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--np", type=int, default=2, help="number of ranks (default 2)")
@@ -74,12 +82,26 @@ def main(argv=None) -> int:
                         help="also train this many hvdlike steps and report RSS growth")
     parser.add_argument("--json", default="benchmark.json", help="where to write the results")
     parser.add_argument("--timeout", type=float, default=3600, help="kill the run after this")
+    parser.add_argument("--launcher", choices=("torchrun", "mpirun"), default="torchrun",
+                        help="start the ranks with torchrun (hvdlike on Gloo) or mpirun "
+                             "(hvdlike negotiates and moves CPU tensors on MPI; DDP and the "
+                             "raw Gloo contenders stay on Gloo)")
     args = parser.parse_args(argv)
     cfg = settings(args)
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={args.np}", os.path.join(HERE, "bench_workloads.py"),
-           json.dumps(cfg)]
+    script = [os.path.join(HERE, "bench_workloads.py"), json.dumps(cfg)]
+    if args.launcher == "mpirun":
+        mpirun = shutil.which("mpirun")
+        if mpirun is None:
+            print("benchmark: --launcher mpirun needs mpirun on PATH (pip install mpi4py mpich)",
+                  file=sys.stderr)
+            return 2
+        # The default group of the DDP/Gloo contenders rendezvous through env://.
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        cmd = [mpirun, "-np", str(args.np), sys.executable] + script
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={args.np}"] + script
     if os.path.exists(cfg["json"]):
         os.remove(cfg["json"])
     started = time.time()

@@ -119,3 +119,51 @@ def run_ranks(fn: Callable, np: int = 2, args: Sequence[Any] = (), env: Optional
             with open(os.path.join(tmp, f"result{rank}.pkl"), "rb") as f:
                 results.append(cloudpickle.load(f))
         return results
+
+
+def run_mpirun(fn: Callable, np: int = 2, args: Sequence[Any] = (), env: Optional[dict] = None,
+               timeout: float = 90.0, expect_failure: bool = False):
+    """Like :func:`run_ranks`, but the ranks are started by ``mpirun`` (MPICH or Open MPI).
+
+    The ranks bootstrap through mpi4py as in a real ``mpirun`` job. Returns the
+    results in rank order, or ``(returncode, output)`` with ``expect_failure``.
+    The whole mpirun process group is killed on expiry.
+    """
+    import shutil
+
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        raise RuntimeError("mpirun is not on PATH")
+    with tempfile.TemporaryDirectory(prefix="hvdlike-mpi-test-") as tmp:
+        payload = os.path.join(tmp, "fn.pkl")
+        with open(payload, "wb") as f:
+            cloudpickle.dump((fn, tuple(args)), f)
+        rank_env = {k: v for k, v in os.environ.items() if not k.startswith("HVDLIKE_")}
+        rank_env.update({"PYTHONPATH": ROOT + os.pathsep + rank_env.get("PYTHONPATH", ""),
+                         "OMP_NUM_THREADS": "1"})
+        rank_env.update(env or {})
+        log = open(os.path.join(tmp, "mpirun.log"), "w+")
+        proc = subprocess.Popen(
+            [mpirun, "-np", str(np), sys.executable, "-m", "tests.multiproc.worker", payload,
+             os.path.join(tmp, "result{rank}.pkl")],
+            cwd=ROOT, env=rank_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            proc.wait(timeout)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        finally:
+            _kill_all([proc])
+        log.seek(0)
+        output = log.read()
+        log.close()
+        if expect_failure:
+            return (None if timed_out else proc.returncode), output
+        if timed_out or proc.returncode:
+            what = f"timed out after {timeout:g}s" if timed_out else f"exit code {proc.returncode}"
+            raise RankFailure(f"mpirun ranks failed: {what}\n{output[-6000:]}", {0: output})
+        results = []
+        for rank in range(np):
+            with open(os.path.join(tmp, f"result{rank}.pkl"), "rb") as f:
+                results.append(cloudpickle.load(f))
+        return results

@@ -1,5 +1,6 @@
 """Entry point of one test rank: load the pickled function, run it, store the result."""
 
+import os
 import sys
 import traceback
 
@@ -10,6 +11,9 @@ import torch
 def main() -> int:
     torch.set_num_threads(1)
     payload, result_path = sys.argv[1], sys.argv[2]
+    # Under mpirun every rank gets the same arguments: the path names its rank.
+    rank = os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", ""))
+    result_path = result_path.replace("{rank}", rank)
     with open(payload, "rb") as f:
         fn, args = cloudpickle.load(f)
     try:

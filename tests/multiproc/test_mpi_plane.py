@@ -1,0 +1,195 @@
+"""MPI as control plane and CPU data plane: ranks started by a real mpirun."""
+
+import shutil
+
+import pytest
+
+pytest.importorskip("mpi4py", reason="needs mpi4py (pip install 'hvdlike[mpi]')")
+if shutil.which("mpirun") is None:
+    pytest.skip("needs mpirun (pip install mpich)", allow_module_level=True)
+
+from .harness import run_mpirun  # noqa: E402
+
+
+def _engines():
+    from hvdlike.core import api
+
+    runtime = api.runtime()
+    control = type(runtime.process_sets[0].controller.control).__name__
+    cpu = type(runtime.process_sets[0].groups.data("cpu")).__name__
+    return runtime.engines, control, cpu
+
+
+def _collectives():
+    import torch
+
+    import hvdlike.torch as hvd
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    out = {"engines": _engines()}
+    checks = {}
+    for dtype in (torch.float32, torch.float64, torch.int32, torch.int64, torch.uint8,
+                  torch.int8, torch.int16, torch.float16, torch.bfloat16):
+        x = torch.full((5,), r + 1, dtype=dtype)
+        checks[f"sum {dtype}"] = hvd.allreduce(x, op=hvd.Sum).tolist() == [3] * 5
+        checks[f"min {dtype}"] = hvd.allreduce(x, op=hvd.Min).tolist() == [1] * 5
+        checks[f"max {dtype}"] = hvd.allreduce(x, op=hvd.Max).tolist() == [2] * 5
+        checks[f"prod {dtype}"] = hvd.allreduce(x, op=hvd.Product).tolist() == [2] * 5
+    checks["bool"] = hvd.allreduce(torch.tensor([r == 0, False]), op=hvd.Sum).tolist() == [
+        True, False]
+    checks["average"] = hvd.allreduce(torch.tensor([float(r)])).item() == 0.5
+    checks["scaled"] = hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum, prescale_factor=2.0,
+                                     postscale_factor=0.5).item() == 2.0
+    # Many async tensors: fused into one MPI allreduce per cycle.
+    handles = [hvd.allreduce_async(torch.full((3, 7), float(i * n + r)), name=f"fused.{i}",
+                                   op=hvd.Sum) for i in range(60)]
+    checks["fused"] = all(torch.equal(hvd.synchronize(h), torch.full((3, 7), float(2 * i * n + 1)))
+                          for i, h in enumerate(handles))
+    grouped = hvd.grouped_allreduce([torch.ones(2) * r, torch.ones(3, dtype=torch.float64)],
+                                    op=hvd.Sum)
+    checks["grouped"] = grouped[0].tolist() == [1.0, 1.0] and grouped[1].tolist() == [2.0] * 3
+    inplace = torch.full((4,), float(r))
+    hvd.allreduce_(inplace, op=hvd.Sum)
+    checks["in place"] = inplace.tolist() == [1.0] * 4
+    checks["broadcast"] = hvd.broadcast(torch.tensor([r * 10, 7]), root_rank=1).tolist() == [10, 7]
+    checks["broadcast fp16"] = hvd.broadcast(torch.full((2,), float(r), dtype=torch.float16),
+                                             root_rank=1).tolist() == [1.0, 1.0]
+    checks["allgather"] = hvd.allgather(torch.tensor([[r]] * (r + 1))).flatten().tolist() == [
+        0, 1, 1]
+    split = hvd.alltoall(torch.tensor([r, r + 10]))
+    checks["alltoall"] = split.tolist() == [0 + (10 if r else 0), 1 + (10 if r else 0)]
+    checks["reducescatter"] = hvd.reducescatter(torch.ones(4), op=hvd.Sum).tolist() == [2.0, 2.0]
+    checks["object"] = hvd.allgather_object({"rank": r}) == [{"rank": 0}, {"rank": 1}]
+    hvd.barrier()
+    hvd.shutdown()
+    out["failed"] = sorted(k for k, ok in checks.items() if not ok)
+    return out
+
+
+def test_collectives_run_on_mpi_when_started_by_mpirun():
+    results = run_mpirun(_collectives, np=2, timeout=120)
+    for rank, result in enumerate(results):
+        assert result["engines"] == (("mpi", "mpi"), "MpiControlPlane", "MpiDataGroup"), rank
+        assert result["failed"] == [], (rank, result["failed"])
+
+
+def _training():
+    import torch
+
+    import hvdlike.torch as hvd
+
+    hvd.init()
+    r = hvd.rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 32), torch.nn.ReLU(),
+                                *[torch.nn.Linear(32, 32) for _ in range(4)],
+                                torch.nn.Linear(32, 1))
+    oracle = [p.detach().clone() for p in model.parameters()]
+    data = torch.randn(16, 6)
+    target = torch.randn(16, 1)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                   named_parameters=model.named_parameters())
+    for _ in range(5):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(data[r * 8:(r + 1) * 8]),
+                                            target[r * 8:(r + 1) * 8])
+        loss.backward()
+        opt.step()
+    # The same five steps on one process with the whole batch.
+    single = torch.nn.Sequential(torch.nn.Linear(6, 32), torch.nn.ReLU(),
+                                 *[torch.nn.Linear(32, 32) for _ in range(4)],
+                                 torch.nn.Linear(32, 1))
+    with torch.no_grad():
+        for p, v in zip(single.parameters(), oracle):
+            p.copy_(v)
+    ref = torch.optim.SGD(single.parameters(), lr=0.05, momentum=0.9)
+    for _ in range(5):
+        ref.zero_grad()
+        torch.nn.functional.mse_loss(single(data), target).backward()
+        ref.step()
+    gap = max((a - b).abs().max().item() for a, b in zip(model.parameters(), single.parameters()))
+    engines = _engines()[0]
+    hvd.barrier()
+    hvd.shutdown()
+    return engines, gap
+
+
+def test_training_on_mpi_matches_one_process_on_the_whole_batch():
+    for engines, gap in run_mpirun(_training, np=2, timeout=120):
+        assert engines == ("mpi", "mpi")
+        assert gap < 1e-5
+
+
+def _mixed():
+    import torch
+
+    import hvdlike.torch as hvd
+
+    hvd.init()
+    engines, control, cpu = _engines()
+    total = hvd.allreduce(torch.tensor([hvd.rank() + 1.0]), op=hvd.Sum).item()
+    handles = [hvd.allreduce_async(torch.ones(3) * i, name=f"m{i}", op=hvd.Sum) for i in range(20)]
+    fused = all(hvd.synchronize(h).tolist() == [2.0 * i] * 3 for i, h in enumerate(handles))
+    hvd.barrier()
+    hvd.shutdown()
+    return engines, control, cpu, total, fused
+
+
+@pytest.mark.parametrize("env,expected", [
+    ({"HVDLIKE_CPU_OPERATIONS": "gloo"}, (("mpi", "gloo"), "MpiControlPlane", "ProcessGroupGloo")),
+    ({"HOROVOD_CONTROLLER": "gloo"}, (("gloo", "mpi"), "GlooControlPlane", "MpiDataGroup")),
+    ({"HVDLIKE_CONTROLLER": "gloo", "HVDLIKE_CPU_OPERATIONS": "gloo"},
+     (("gloo", "gloo"), "GlooControlPlane", "ProcessGroupGloo")),
+])
+def test_engine_knobs_choose_each_plane(env, expected):
+    for engines, control, cpu, total, fused in run_mpirun(_mixed, np=2, env=env, timeout=120):
+        assert (engines, control, cpu) == expected
+        assert total == 3.0 and fused
+
+
+def _process_sets():
+    import torch
+
+    import hvdlike.torch as hvd
+
+    evens = hvd.ProcessSet([0, 2])
+    hvd.init(process_sets=[evens])
+    r = hvd.rank()
+    result = None
+    if r in (0, 2):
+        result = hvd.allreduce(torch.tensor([float(r)]), op=hvd.Sum,
+                               process_set=evens).item()
+        result = (result, hvd.broadcast(torch.tensor([r]), root_rank=2,
+                                        process_set=evens).item())
+    everyone = hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum).item()
+    hvd.barrier()
+    hvd.shutdown()
+    return result, everyone
+
+
+def test_process_sets_get_their_own_communicators():
+    results = run_mpirun(_process_sets, np=3, timeout=150)
+    assert results[0] == ((2.0, 2), 3.0)
+    assert results[1] == (None, 3.0)
+    assert results[2] == ((2.0, 2), 3.0)
+
+
+def _one_rank_raises():
+    import torch
+
+    import hvdlike.torch as hvd
+
+    hvd.init()
+    hvd.allreduce(torch.ones(2), name="before")
+    if hvd.rank() == 1:
+        raise RuntimeError("rank one gives up")
+    hvd.allreduce(torch.ones(2), name="after")  # never matched by rank 1
+    hvd.shutdown()
+
+
+def test_a_failing_rank_ends_the_mpirun_job_without_a_hang():
+    code, output = run_mpirun(_one_rank_raises, np=2, timeout=90, expect_failure=True)
+    assert code is not None, "mpirun did not finish: a rank hung\n" + output[-3000:]
+    assert code != 0
+    assert "rank one gives up" in output
