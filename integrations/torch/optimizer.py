@@ -35,16 +35,10 @@ import torch
 from hvdlike.core import api as _core_api
 from hvdlike.core.process_sets import global_process_set
 
+from . import buckets as _buckets
 from . import ops
 from .compression import Compression
 from .sparse import sparse_allreduce_async
-
-# Largest bucket, like DDP's default; a smaller core fusion threshold wins.
-BUCKET_CAP_BYTES = 25 * 1024 * 1024
-# Gradients this large (or above the cap) skip buckets: their per-gradient cost
-# is small next to their transfer, reducing them in place saves two copies, and
-# each can leave as soon as backward produces it.
-LARGE_GRADIENT_BYTES = 1024 * 1024
 
 _HOOK_OVERFLOW = (
     "the gradient of {name!r} was computed more than backward_passes_per_step={k} time(s) "
@@ -88,8 +82,8 @@ class _Distributed:
         self._hvd_group_ready: Dict[int, set] = {}
         self._hvd_register_all()
         self._hvd_build_groups(num_groups, groups)
-        self._hvd_buckets: List[_Bucket] = []
-        self._hvd_bucket_of: Dict[torch.Tensor, Tuple[_Bucket, int]] = {}
+        self._hvd_buckets: List[_buckets.Bucket] = []
+        self._hvd_bucket_of: Dict[torch.Tensor, Tuple[_buckets.Bucket, int]] = {}
         if op != ops.Adasum and not self._hvd_groups:
             self._hvd_build_buckets()
 
@@ -141,66 +135,24 @@ class _Distributed:
         self._hvd_groups = member_lists
 
     def _hvd_build_buckets(self) -> None:
-        """Pack dense trainable parameters into flat buckets, one allreduce each.
-
-        Gradients arrive roughly in reverse registration order, so buckets are
-        filled in that order and the first one can leave early in backward.
-        The assignment depends only on the parameter list, so it is the same
-        on every rank, and so are the bucket names.
-        """
+        """Pack dense trainable parameters into flat buckets (see buckets.py)."""
         threshold = _core_api.runtime().config.fusion_threshold
-        if threshold == 0:  # fusion disabled: keep one reduction per gradient
-            return
-        cap = min(threshold, BUCKET_CAP_BYTES)
-        open_by_kind: Dict[tuple, List[torch.Tensor]] = {}
-        closed: List[List[torch.Tensor]] = []
-        sizes: Dict[tuple, int] = {}
-        for _, _, p in reversed(list(self._hvd_params())):
-            if not p.requires_grad or p.is_sparse:
-                continue
-            kind = (p.dtype, p.device)
-            nbytes = p.numel() * p.element_size()
-            if nbytes >= min(cap, LARGE_GRADIENT_BYTES):
-                continue
-            members = open_by_kind.setdefault(kind, [])
-            if members and sizes[kind] + nbytes > cap:
-                closed.append(members)
-                members = open_by_kind[kind] = []
-                sizes[kind] = 0
-            members.append(p)
-            sizes[kind] = sizes.get(kind, 0) + nbytes
-        closed.extend(m for m in open_by_kind.values() if m)
-        for i, members in enumerate(closed):
-            # The span of member names tells a stall report which gradients are late.
-            first, last = self._hvd_names[members[0]], self._hvd_names[members[-1]]
-            span = first if len(members) == 1 else f"{first}..{last}"
-            bucket = _Bucket(i, f"DistributedOptimizer.bucket.{i}.{span}", members)
-            self._hvd_buckets.append(bucket)
-            for slot, p in enumerate(members):
+        params = [p for _, _, p in self._hvd_params()]
+        self._hvd_buckets = _buckets.plan(params, self._hvd_names, threshold)
+        for bucket in self._hvd_buckets:
+            for slot, p in enumerate(bucket.members):
                 self._hvd_bucket_of[p] = (bucket, slot)
 
-    def _hvd_fill(self, bucket: "_Bucket", slot: int, p: torch.Tensor) -> None:
-        """Put ``p``'s gradient (zeros if none) in its slot; launch a full bucket."""
-        view = bucket.views[slot]
-        # A parameter frozen since construction contributes zeros, as it is not reduced.
-        grad = p.grad if p.requires_grad else None
-        if grad is not None and grad.is_sparse:
-            if self._hvd_sparse_as_dense:
-                grad = p.grad = grad.to_dense()
-            else:
-                # Sparse gradients keep their own gather; the slot travels as zeros.
-                self._hvd_launch(p)
-                grad = None
-        if grad is None:
-            view.zero_()
-        else:
-            view.copy_(grad)
-        bucket.filled[slot] = True
-        bucket.pending -= 1
-        if bucket.pending == 0:
-            self._hvd_launch_bucket(bucket)
+    def _hvd_sparse_in_bucket(self, p: torch.Tensor):
+        """The dense gradient a bucket packs for ``p``'s sparse one (None: sent alone)."""
+        if self._hvd_sparse_as_dense:
+            p.grad = p.grad.to_dense()
+            return p.grad
+        self._hvd_launch(p)  # its own gather; the bucket slot travels as zeros
+        return None
 
-    def _hvd_launch_bucket(self, bucket: "_Bucket") -> None:
+    def _hvd_launch_bucket(self, bucket: _buckets.Bucket) -> None:
+        bucket.pack(self._hvd_sparse_in_bucket)
         compressed, ctx = self._hvd_compression.compress(bucket.flat)
         handle = ops.allreduce_async_(compressed, name=bucket.name, op=self._hvd_op,
                                       prescale_factor=self._hvd_prescale,
@@ -220,8 +172,8 @@ class _Distributed:
         where = self._hvd_bucket_of.get(p)
         if where is not None:
             bucket, slot = where
-            if not bucket.filled[slot]:
-                self._hvd_fill(bucket, slot, p)
+            if bucket.mark(slot):
+                self._hvd_launch_bucket(bucket)
             return
         gi = self._hvd_group_of.get(p)
         if gi is None:
@@ -284,9 +236,9 @@ class _Distributed:
                 self._hvd_launch_group(gi)
         for bucket in self._hvd_buckets:
             # Every rank submits every bucket, missing gradients as zeros.
-            for slot, p in enumerate(bucket.members):
-                if not bucket.filled[slot]:
-                    self._hvd_fill(bucket, slot, p)
+            if bucket.pending:
+                bucket.pending = 0
+                self._hvd_launch_bucket(bucket)
         for _, _, p in self._hvd_params():
             if (p.requires_grad and p not in self._hvd_handles
                     and self._hvd_group_of.get(p) is None and p not in self._hvd_bucket_of):
@@ -308,23 +260,12 @@ class _Distributed:
                 out = ops.synchronize(handle)
                 if payload is not bucket.flat:
                     bucket.flat.copy_(self._hvd_compression.decompress(out, ctx))
-                self._hvd_unpack(bucket)
+                bucket.unpack()
             else:
                 outs = ops.synchronize(handle)
                 for p, out, (compressed, ctx) in zip(extra, outs, payload):
                     if compressed is not p.grad:
                         p.grad.copy_(self._hvd_compression.decompress(out, ctx))
-
-    def _hvd_unpack(self, bucket: "_Bucket") -> None:
-        for p, view in zip(bucket.members, bucket.views):
-            if not p.requires_grad:
-                continue  # frozen since construction: its gradient is left alone
-            grad = p.grad
-            if grad is not None and grad.is_sparse:
-                continue  # reduced by its own sparse handle
-            if grad is None:
-                p.grad = torch.empty_like(p, memory_format=torch.preserve_format)
-            p.grad.copy_(view)
 
     def _hvd_reset_buckets(self) -> None:
         for bucket in self._hvd_buckets:
@@ -388,27 +329,6 @@ class _Distributed:
         super().add_param_group(param_group)
         if hasattr(self, "_hvd_hooks"):
             self._hvd_register_all()
-
-
-class _Bucket:
-    """A flat buffer holding several parameters' gradients, reduced as one tensor."""
-
-    def __init__(self, index: int, name: str, members: List[torch.Tensor]) -> None:
-        self.index = index
-        self.name = name
-        self.members = members
-        total = sum(p.numel() for p in members)
-        self.flat = torch.empty(total, dtype=members[0].dtype, device=members[0].device)
-        self.views = []
-        offset = 0
-        for p in members:
-            self.views.append(self.flat[offset:offset + p.numel()].view(p.shape))
-            offset += p.numel()
-        self.reset()
-
-    def reset(self) -> None:
-        self.filled = [False] * len(self.members)
-        self.pending = len(self.members)
 
 
 _CLASSES: Dict[type, type] = {}

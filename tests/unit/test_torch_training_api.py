@@ -6,7 +6,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hvdlike.torch as hvd
-from hvdlike.torch import optimizer as optimizer_module
+from hvdlike.torch import buckets as buckets_module
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -28,7 +28,7 @@ def _loss(model):
 @pytest.fixture
 def bucket_per_gradient(monkeypatch):
     """A 1-byte bucket cap: every gradient skips buckets (one reduction, one handle each)."""
-    monkeypatch.setattr(optimizer_module, "BUCKET_CAP_BYTES", 1)
+    monkeypatch.setattr(buckets_module, "BUCKET_CAP_BYTES", 1)
 
 
 def test_rejects_a_non_optimizer():
