@@ -141,8 +141,14 @@ KNOBS = (
          "tune fusion threshold and cycle time while training",
          flag="--autotune"),
     Knob("autotune_log", "", _string,
-         "CSV file the autotuner writes its samples to",
+         "CSV file rank 0 writes every autotune sample to",
          flag="--autotune-log-file"),
+    Knob("autotune_warmup_samples", 3, _non_negative(int, "an integer >= 0"),
+         "autotune samples discarded before scoring starts",
+         flag="--autotune-warmup-samples"),
+    Knob("autotune_steps_per_sample", 10, _positive(int, "an integer > 0"),
+         "training steps per autotune sample",
+         flag="--autotune-steps-per-sample"),
     Knob("stall_check_disable", False, _parse_bool,
          "disable the stall inspector",
          flag="--no-stall-check"),
@@ -187,6 +193,8 @@ class Config:
     timeline_mark_cycles: bool = False
     autotune: bool = False
     autotune_log: str = ""
+    autotune_warmup_samples: int = 3
+    autotune_steps_per_sample: int = 10
     stall_check_disable: bool = False
     stall_check_time_seconds: float = 60.0
     stall_shutdown_time_seconds: float = 0.0

@@ -102,6 +102,11 @@ class Runtime:
         self._set_change_count = 0
         self.store = None
         self.health: Optional[Health] = None
+        # Settings the background thread applies; the autotuner changes them
+        # (between cycles, alike on every rank) while it searches.
+        self.fusion_threshold = cfg.fusion_threshold
+        self.cycle_seconds = cfg.cycle_time / 1000.0
+        self.autotuner = None  # a core.autotune.Autotuner while tuning
 
     # -- life cycle --------------------------------------------------------------
 
@@ -150,6 +155,10 @@ class Runtime:
             from .process_sets import register_static
 
             register_static(runtime, list(process_sets or ()))
+            if cfg.autotune:
+                from . import autotune
+
+                runtime.autotuner = autotune.for_runtime(runtime)
             if cfg.timeline:
                 from . import timeline
 
@@ -196,6 +205,7 @@ class Runtime:
         self.set_ranks = {**self.set_ranks, set_id: list(ranks)}
         if state is not None:
             state.executor.timeline = self.timeline
+            state.executor.fusion_threshold = self.fusion_threshold
             self.process_sets = {**self.process_sets, set_id: state}
 
     def uninstall_process_set(self, set_id: int) -> None:
@@ -417,10 +427,10 @@ class Runtime:
         return self.fatal
 
     def _loop(self) -> None:
-        cycle_seconds = self.config.cycle_time / 1000.0
         idle_cycles = 0
         try:
             while self.fatal is None:
+                cycle_seconds = self.cycle_seconds  # the autotuner may change it
                 started = time.monotonic()
                 if self._cycle_all():
                     break
@@ -490,6 +500,8 @@ class Runtime:
                 return True
             if set_id == 0 and self._set_changes:
                 changes = self._take_set_changes(result.work)
+            if set_id == 0 and self.autotuner is not None and self.autotuner.cycle(result.work):
+                self.autotuner = None  # settled: every rank keeps the chosen settings
             state.executor.execute(result.work)
         if changes:
             for apply in changes:
