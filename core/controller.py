@@ -50,12 +50,22 @@ class ControlPlane(Protocol):
 
 
 class CycleResult:
-    __slots__ = ("work", "shutdown", "stalled")
+    """What one cycle agreed on.
+
+    ``work`` is in execution order: first the responses agreed through the
+    response cache, then from index ``coordinated`` (None: none this cycle) those
+    the coordinator returned. ``fast``: the cache part was agreed by the one-word
+    learned-order vote. (``fast``/``coordinated`` describe how, for the timeline.)
+    """
+
+    __slots__ = ("work", "shutdown", "stalled", "fast", "coordinated")
 
     def __init__(self):
         self.work: List[Tuple[Response, Optional[Entry]]] = []
         self.shutdown = False
         self.stalled: List[Tuple[str, float, List[int]]] = []
+        self.fast = False
+        self.coordinated: Optional[int] = None
 
 
 class Controller:
@@ -164,6 +174,7 @@ class Controller:
 
         if flags[FLAG_UNCACHED]:
             self.slow_cycles += 1
+            result.coordinated = len(result.work)
             result.work.extend(self._negotiate_uncached())
         if self.coordinator is not None:
             result.stalled = self.coordinator.pending()
@@ -211,6 +222,7 @@ class Controller:
         if agreed < 0:
             return False
         self.fast_cycles += 1
+        result.fast = True
         for slot in self.sequence.take(agreed):
             self._run_cached(slot, result)
         if self.coordinator is not None:

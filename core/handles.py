@@ -1,12 +1,24 @@
-"""Handles: what an asynchronous collective returns and ``synchronize`` waits on."""
+"""Handles: what an asynchronous collective returns and ``synchronize`` waits on.
+
+A handle is a few slots, not a ``threading.Event``: collectives are
+submitted and completed by the hundred per step, and most handles are
+already complete when someone waits on them. An event to block on is made
+only when a thread actually waits on a pending handle. One module-wide lock
+orders completion against waiting; :func:`finish_many` completes a whole
+fused batch under a single acquisition.
+"""
 
 from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional, Tuple
 
 from .errors import HvdlikeInternalError
+
+# Guards the done flag, waiter and callbacks of every handle. Held only for a
+# few attribute writes (a batch of them in finish_many), never while waiting.
+_lock = threading.Lock()
 
 
 class Handle:
@@ -17,22 +29,22 @@ class Handle:
     ``alive`` so a dead runtime turns into an error instead of a hang.
     """
 
-    __slots__ = ("name", "_event", "_result", "_error", "_callbacks", "_lock")
+    __slots__ = ("name", "_done", "_result", "_error", "_callbacks", "_waiter")
 
     def __init__(self, name: str):
         self.name = name
-        self._event = threading.Event()
+        self._done = False
         self._result: Any = None
         self._error: Optional[BaseException] = None
-        self._callbacks = []
-        self._lock = threading.Lock()
+        self._callbacks = None  # list of callables once one is added
+        self._waiter: Optional[threading.Event] = None  # made by the first wait()
 
     def __repr__(self) -> str:
-        state = "done" if self._event.is_set() else "pending"
+        state = "done" if self._done else "pending"
         return f"<hvdlike Handle {self.name!r} {state}>"
 
     def done(self) -> bool:
-        return self._event.is_set()
+        return self._done
 
     def set_result(self, result: Any) -> None:
         self._finish(result, None)
@@ -41,21 +53,29 @@ class Handle:
         self._finish(None, error)
 
     def add_done_callback(self, fn: Callable[["Handle"], None]) -> None:
-        with self._lock:
-            if not self._event.is_set():
-                self._callbacks.append(fn)
+        """Call ``fn(handle)`` on completion (at once if already complete)."""
+        with _lock:
+            if not self._done:
+                if self._callbacks is None:
+                    self._callbacks = [fn]
+                else:
+                    self._callbacks.append(fn)
                 return
         fn(self)
 
     def _finish(self, result: Any, error: Optional[BaseException]) -> None:
-        with self._lock:
-            if self._event.is_set():
+        with _lock:
+            if self._done:
                 return
             self._result, self._error = result, error
-            self._event.set()
-            callbacks, self._callbacks = self._callbacks, []
-        for fn in callbacks:
-            fn(self)
+            self._done = True
+            waiter, callbacks = self._waiter, self._callbacks
+            self._callbacks = None
+        if waiter is not None:
+            waiter.set()
+        if callbacks:
+            for fn in callbacks:
+                fn(self)
 
     def wait(self, alive: Callable[[], Optional[BaseException]] = lambda: None,
              timeout: Optional[float] = None) -> Any:
@@ -66,15 +86,52 @@ class Handle:
             timeout: seconds before giving up with ``TimeoutError``; None waits
                 as long as the runtime lives.
         """
+        if not self._done:
+            self._block(alive, timeout)
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def _block(self, alive: Callable[[], Optional[BaseException]],
+               timeout: Optional[float]) -> None:
+        with _lock:
+            if self._done:
+                return
+            waiter = self._waiter
+            if waiter is None:
+                waiter = self._waiter = threading.Event()
         deadline = None if timeout is None else time.monotonic() + timeout
-        while not self._event.wait(0.05):
+        while not waiter.wait(0.05):
             fatal = alive()
-            if fatal is not None and not self._event.is_set():
+            if fatal is not None and not self._done:
                 kind = type(fatal) if isinstance(fatal, HvdlikeInternalError) \
                     else HvdlikeInternalError
                 raise kind(f"collective {self.name!r} cannot complete: {fatal}") from fatal
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"collective {self.name!r} did not complete in {timeout}s")
-        if self._error is not None:
-            raise self._error
-        return self._result
+
+
+def finish_many(outcomes: Iterable[Tuple[Handle, Any, Optional[BaseException]]]) -> None:
+    """Complete several handles, each with ``(handle, result, error)``, under one lock.
+
+    Equivalent to calling ``set_result``/``set_error`` on each in order; waiters
+    are woken and callbacks run after the lock is released.
+    """
+    wake = []
+    called = []
+    with _lock:
+        for handle, result, error in outcomes:
+            if handle._done:
+                continue
+            handle._result, handle._error = result, error
+            handle._done = True
+            if handle._waiter is not None:
+                wake.append(handle._waiter)
+            if handle._callbacks:
+                called.append((handle, handle._callbacks))
+                handle._callbacks = None
+    for waiter in wake:
+        waiter.set()
+    for handle, callbacks in called:
+        for fn in callbacks:
+            fn(handle)

@@ -23,6 +23,8 @@ class Entry:
         handle: completed when the collective finishes.
         finish: optional hook turning the raw result into what the handle holds.
         enqueued_at: monotonic time of submission (stall inspector, timeline).
+        negotiated_at: monotonic time the ranks agreed to run it (set only while
+            a timeline records: the end of NEGOTIATE, the start of QUEUE).
     """
 
     request: Request
@@ -32,6 +34,7 @@ class Entry:
     finish: Optional[Callable[[Any], Any]] = None
     enqueued_at: float = 0.0
     set_id: int = 0
+    negotiated_at: float = 0.0
 
 
 class TensorQueue:
