@@ -143,9 +143,14 @@ def test_mpirun_across_two_hosts(netns_cluster, marker):
         import hvdlike.torch as hvd
 
         hvd.init()
+        from hvdlike.core import api
         total = hvd.allreduce(torch.tensor([float(hvd.rank())]), op=hvd.Sum).item()
+        big = hvd.allreduce(torch.full((1 << 18,), float(hvd.rank())), op=hvd.Sum)
+        root = hvd.broadcast(torch.full((1000,), float(hvd.rank())), root_rank=3)
+        ok = bool((big == 6).all()) and bool((root == 3).all())
         print(f"mpi rank={hvd.rank()} local={hvd.local_rank()} "
-              f"cross={hvd.cross_rank()}/{hvd.cross_size()} sum={total:g}")
+              f"cross={hvd.cross_rank()}/{hvd.cross_size()} sum={total:g} big={ok} "
+              f"engines={'+'.join(api.runtime().engines)}")
         hvd.shutdown()
     """)
     # The namespaces share one host name: tell Hydra which interface reaches them.
@@ -154,7 +159,9 @@ def test_mpirun_across_two_hosts(netns_cluster, marker):
                             timeout=150)
     assert code == 0, err
     for rank in range(4):
-        assert f"mpi rank={rank} local={rank % 2} cross={rank // 2}/2 sum=6" in out
+        # Negotiation and CPU tensors ride MPI across the two hosts.
+        assert (f"mpi rank={rank} local={rank % 2} cross={rank // 2}/2 sum=6 big=True "
+                f"engines=mpi+mpi") in out
     assert c.wait_until_clean() == []
 
 
