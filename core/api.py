@@ -190,9 +190,9 @@ def mpi_built() -> bool:
 
 
 def mpi_enabled() -> bool:
-    """True when this job was started by an MPI launcher."""
+    """True when MPI carries this job's negotiation or CPU tensors (see mpi_plane.py)."""
     current = _runtime
-    return current is not None and current.rendezvous.launcher in ("mpirun", "mpi")
+    return current is not None and "mpi" in current.engines
 
 
 def mpi_threads_supported() -> bool:

@@ -60,6 +60,7 @@ def _collectives():
     split = hvd.alltoall(torch.tensor([r, r + 10]))
     checks["alltoall"] = split.tolist() == [0 + (10 if r else 0), 1 + (10 if r else 0)]
     checks["reducescatter"] = hvd.reducescatter(torch.ones(4), op=hvd.Sum).tolist() == [2.0, 2.0]
+    checks["build queries"] = hvd.mpi_enabled() and hvd.mpi_threads_supported()
     checks["object"] = hvd.allgather_object({"rank": r}) == [{"rank": 0}, {"rank": 1}]
     hvd.barrier()
     hvd.shutdown()
