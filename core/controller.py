@@ -99,7 +99,8 @@ class Controller:
 
     def _miss(self, entry: Entry) -> None:
         self._uncached[entry.request.name] = entry
-        self._to_send.append(entry.request)
+        # The coordinator needs the sender's rank; only requests it sees carry it.
+        self._to_send.append(entry.request.with_rank(self.rank))
 
     def _evict(self, slot: int) -> None:
         """Forget ``slot``; an entry of ours waiting on it is renegotiated."""

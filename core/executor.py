@@ -114,6 +114,9 @@ class Executor:
     """Runs responses on the data plane of one process set."""
 
     timeline = None  # a core.timeline.Timeline while recording
+    # Completes a batch of (entries, results) at once; the runtime installs its
+    # own (one lock for the queue, one for the handles) when a set goes live.
+    complete_many: Optional[Callable[[List[Entry], List[Any]], None]] = None
     _batch_started = 0.0
 
     def __init__(self, groups, rank: int, size: int, fusion_threshold: int, complete: Complete,
@@ -162,6 +165,12 @@ class Executor:
             results = finalize()
             if release is not None:
                 self.pool.give(release)
+            if self.complete_many is not None:
+                done_entries = [entry for _, entry in items if entry is not None]
+                if len(done_entries) != len(items):  # a joined rank's stand-ins
+                    results = [r for (_, e), r in zip(items, results) if e is not None]
+                self.complete_many(done_entries, results)
+                return
             for (_, entry), result in zip(items, results):
                 if entry is not None:
                     self.complete(entry, result, None)

@@ -20,7 +20,7 @@ from .controller import Controller
 from .errors import HvdlikeInternalError
 from .messages import OpType
 from .executor import Executor
-from .handles import Handle
+from .handles import Handle, finish_many
 from .health import Health
 from .log import configure as configure_logging, logger
 from .tensor_queue import Entry, TensorQueue
@@ -204,6 +204,7 @@ class Runtime:
         """
         self.set_ranks = {**self.set_ranks, set_id: list(ranks)}
         if state is not None:
+            state.executor.complete_many = self._complete_many
             state.executor.timeline = self.timeline
             state.executor.fusion_threshold = self.fusion_threshold
             self.process_sets = {**self.process_sets, set_id: state}
@@ -342,8 +343,13 @@ class Runtime:
                 f"(ranks {ranks}); only its members may call collectives on it")
         return state
 
-    def submit(self, entries: List[Entry], set_id: int = 0) -> List[Handle]:
-        """Hand entries to the background thread; return their handles."""
+    def submit(self, entries: List[Entry], set_id: int = 0, origin: str = "") -> List[Handle]:
+        """Hand entries to the background thread; return their handles.
+
+        ``origin`` names the submitting front end (for name-clash errors). The
+        rank within the set is stamped on a request only when it is sent to the
+        coordinator (``Controller._miss``), not here for every tensor.
+        """
         error = self.alive_error()
         if error is not None or self._stopping:
             kind = type(error) if isinstance(error, HvdlikeInternalError) else HvdlikeInternalError
@@ -356,7 +362,7 @@ class Runtime:
         for entry in entries:
             entry.enqueued_at = now
             entry.set_id = set_id
-            entry.request = entry.request.with_rank(state.rank)
+            entry.origin = origin
         state.queue.put(entries)
         if set_id and self.process_sets.get(set_id) is not state:
             # The set was removed meanwhile and its queue drained: nothing runs these.
@@ -379,7 +385,7 @@ class Runtime:
                 entry.request = dataclasses.replace(request, root=state.ranks.index(request.root))
 
     def wait(self, handle: Handle, timeout: Optional[float] = None):
-        if not handle.done():
+        if not handle._done:
             self._flush.set()  # someone is blocked on it: cycle now, not at the next tick
         return handle.wait(self.alive_error, timeout)
 
@@ -398,6 +404,25 @@ class Runtime:
             entry.handle.set_error(error)
         else:
             entry.handle.set_result(result)
+
+    def _complete_many(self, entries: Sequence[Entry], results: Sequence) -> None:
+        """:meth:`_complete` with success for a batch: one queue and one handle lock."""
+        outcomes = []
+        names = []
+        for entry, result in zip(entries, results):
+            error = None
+            if entry.finish is not None:
+                try:
+                    result = entry.finish(result)
+                except BaseException as exc:  # a frontend conversion failed: report it
+                    result, error = None, exc
+            names.append(entry.request.name)
+            outcomes.append((entry.handle, result, error))
+        if entries:
+            state = self.process_sets.get(entries[0].set_id)
+            if state is not None:
+                state.queue.release_many(names)
+        finish_many(outcomes)
 
     def _set_fatal(self, error: BaseException) -> None:
         if self.fatal is None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional
 
 from .errors import DuplicateNameError
 from .handles import Handle
@@ -25,6 +25,7 @@ class Entry:
         enqueued_at: monotonic time of submission (stall inspector, timeline).
         negotiated_at: monotonic time the ranks agreed to run it (set only while
             a timeline records: the end of NEGOTIATE, the start of QUEUE).
+        origin: the front end that submitted it (named when its name clashes).
     """
 
     request: Request
@@ -35,6 +36,7 @@ class Entry:
     enqueued_at: float = 0.0
     set_id: int = 0
     negotiated_at: float = 0.0
+    origin: str = ""
 
 
 class TensorQueue:
@@ -43,24 +45,37 @@ class TensorQueue:
     def __init__(self):
         self._lock = threading.Lock()
         self._pending: List[Entry] = []
-        self._inflight = {}  # name -> monotonic time of submission
+        self._inflight: Dict[str, Entry] = {}  # name -> entry, until completed
         self.wakeup = threading.Event()
 
     def put(self, entries: List[Entry]) -> None:
-        """Add entries atomically (a group is drained in one piece)."""
+        """Add entries atomically (a group is drained in one piece).
+
+        Raises:
+            DuplicateNameError: a name is in flight already or repeats within
+                ``entries``; ``holder`` is the in-flight entry (or None).
+        """
+        inflight = self._inflight
         with self._lock:
-            names = [e.request.name for e in entries]
-            dup = [n for n in names if n in self._inflight]
-            if dup or len(set(names)) != len(names):
-                dup = dup or [n for n in names if names.count(n) > 1]
-                raise DuplicateNameError(
-                    f"a collective named {dup[0]!r} is already in flight; wait for it "
-                    f"(synchronize its handle) before submitting the name again"
-                )
-            for entry in entries:
-                self._inflight[entry.request.name] = entry.enqueued_at
-            self._pending.extend(entries)
-        self.wakeup.set()
+            if len(entries) == 1:
+                entry = entries[0]
+                name = entry.request.name
+                if name in inflight:
+                    raise _duplicate(name, inflight[name])
+                inflight[name] = entry
+                self._pending.append(entry)
+            else:
+                names = [e.request.name for e in entries]
+                dup = [n for n in names if n in inflight]
+                if dup or len(set(names)) != len(names):
+                    dup = dup or [n for n in names if names.count(n) > 1]
+                    raise _duplicate(dup[0], inflight.get(dup[0]))
+                for entry in entries:
+                    inflight[entry.request.name] = entry
+                self._pending.extend(entries)
+        # Cheaper than set() when already set: the loop has not drained since.
+        if not self.wakeup.is_set():
+            self.wakeup.set()
 
     def drain(self) -> List[Entry]:
         with self._lock:
@@ -72,6 +87,13 @@ class TensorQueue:
         with self._lock:
             self._inflight.pop(name, None)
 
+    def release_many(self, names: Iterable[str]) -> None:
+        """:meth:`release` for several names under one lock acquisition."""
+        pop = self._inflight.pop
+        with self._lock:
+            for name in names:
+                pop(name, None)
+
     def inflight(self) -> int:
         with self._lock:
             return len(self._inflight)
@@ -79,4 +101,12 @@ class TensorQueue:
     def waiting_since(self) -> dict:
         """Snapshot ``{name: submission time}`` of every collective not yet completed."""
         with self._lock:
-            return dict(self._inflight)
+            return {name: entry.enqueued_at for name, entry in self._inflight.items()}
+
+
+def _duplicate(name: str, holder: Optional[Entry]) -> DuplicateNameError:
+    error = DuplicateNameError(
+        f"a collective named {name!r} is already in flight; wait for it "
+        f"(synchronize its handle) before submitting the name again")
+    error.holder = holder
+    return error

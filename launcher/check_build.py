@@ -41,7 +41,7 @@ def probe() -> List[Tuple[str, List[Tuple[str, bool]]]]:
             ("TensorFlow/Keras", _has("tensorflow") or _has("keras")),
         ]),
         ("Available Controllers", [("Gloo", gloo), ("MPI", mpi)]),
-        ("Available Tensor Operations", [("NCCL", nccl), ("Gloo", gloo)]),
+        ("Available Tensor Operations", [("NCCL", nccl), ("Gloo", gloo), ("MPI", mpi)]),
         ("Available Launchers", [
             ("ssh", shutil.which("ssh") is not None), ("mpirun", mpi),
             ("srun", shutil.which("srun") is not None),

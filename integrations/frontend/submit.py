@@ -9,19 +9,13 @@ handles.
 
 from __future__ import annotations
 
-import threading
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, List, Optional
 
 from hvdlike.core import api
 from hvdlike.core import collectives as core
 from hvdlike.core.errors import DuplicateNameError, HvdlikeInternalError
 from hvdlike.core.handles import Handle
 from hvdlike.core.process_sets import global_process_set, resolve
-
-# (process set id, name) -> (front end, handle) for every collective in flight,
-# so a name clash can say which front end holds the name.
-_owners: Dict[Tuple[int, str], Tuple[str, Handle]] = {}
-_owners_lock = threading.Lock()
 
 
 class GroupHandle:
@@ -70,6 +64,8 @@ def synchronize(handle, timeout: Optional[float] = None):
     disagreed, ``HvdlikeInternalError`` when the job broke, ``TimeoutError``
     after ``timeout`` seconds.
     """
+    if type(handle) is Handle and handle.done():
+        return handle.wait()  # already complete: no runtime, no blocking
     if isinstance(handle, GroupHandle):
         return handle.result([wait(h, timeout) for h in handle.handles])
     if isinstance(handle, Handle):
@@ -96,14 +92,6 @@ def set_size(process_set) -> int:
     return api.runtime().process_set(resolve(process_set)).size
 
 
-def _forget(key):
-    def callback(handle: Handle) -> None:
-        with _owners_lock:
-            if _owners.get(key, (None, None))[1] is handle:
-                del _owners[key]
-    return callback
-
-
 def submit(entries, process_set, frontend: str) -> List[Handle]:
     """Hand ``entries`` to the runtime on behalf of ``frontend``; return their handles.
 
@@ -113,24 +101,17 @@ def submit(entries, process_set, frontend: str) -> List[Handle]:
     """
     set_id = resolve(process_set)
     try:
-        handles = api.runtime().submit(entries, set_id)
+        return api.runtime().submit(entries, set_id, frontend)
     except DuplicateNameError as exc:
-        names = [e.request.name for e in entries]
-        with _owners_lock:
-            holders = {n: _owners[(set_id, n)][0] for n in names if (set_id, n) in _owners}
-        clash = next(iter(holders), names[0])
-        holder = holders.get(clash, "an earlier call")
+        holder = getattr(exc, "holder", None)
+        clash = holder.request.name if holder is not None else entries[0].request.name
+        where = f"submitted through {holder.origin}" if holder is not None and holder.origin \
+            else "submitted through an earlier call"
         what = entries[0].request.op.name.lower()
         raise DuplicateNameError(
             f"{frontend}.{what}: the name {clash!r} is already used by a collective still in "
-            f"flight, submitted through {holder}; synchronize that handle first or pick "
+            f"flight, {where}; synchronize that handle first or pick "
             f"another name (names are shared by all front ends)") from exc
-    with _owners_lock:
-        for entry, handle in zip(entries, handles):
-            _owners[(set_id, entry.request.name)] = (frontend, handle)
-    for entry, handle in zip(entries, handles):
-        handle.add_done_callback(_forget((set_id, entry.request.name)))
-    return handles
 
 
 def barrier(process_set=global_process_set) -> None:
