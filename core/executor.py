@@ -283,7 +283,9 @@ class Executor:
         # retakes the GIL, which the training thread is contending for.
         batched = wire == dtype and _foreach_copy is not None
         if batched:
-            torch.cat([e.tensor.reshape(-1) if e is not None else flat.new_zeros(n)
+            # 1-D tensors go in as they are: a reshape is a torch call (~1 us) each.
+            torch.cat([flat.new_zeros(n) if e is None else
+                       e.tensor if e.tensor.dim() == 1 else e.tensor.reshape(-1)
                        for (_, e), n in zip(items, sizes)], out=flat)
         else:
             offset = 0
@@ -301,10 +303,11 @@ class Executor:
             scale(flat, self._post_factor(response))
             parts = flat.split(sizes)
             if batched:
-                pairs = [(e.output.view(-1), part) for (_, e), part in zip(items, parts)
+                pairs = [(e.output, part) for (_, e), part in zip(items, parts)
                          if e is not None]
                 if pairs:
-                    _foreach_copy([o for o, _ in pairs], [p for _, p in pairs])
+                    _foreach_copy([o if o.dim() == 1 else o.view(-1) for o, _ in pairs],
+                                  [p for _, p in pairs])
             else:
                 for (_, entry), part in zip(items, parts):
                     if entry is not None:
