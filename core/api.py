@@ -249,7 +249,8 @@ def check_extension(ext_name: str, ext_env_var: str, pkg_path: str, *args) -> No
                           f"torch.distributed Gloo backend")
 
 
-def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+def start_timeline(file_path: str, mark_cycles: bool = False,
+                   max_bytes: Optional[int] = None) -> None:
     """Start recording a Chrome-trace timeline of every collective to ``file_path``.
 
     As in Horovod, rank 0 writes the file (other ranks do nothing); a path
@@ -259,9 +260,12 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     Args:
         file_path: the JSON file to write (truncated).
         mark_cycles: also mark the start of every background cycle.
+        max_bytes: the file stops growing at this size (an int >= 4096); None:
+            the ``HVDLIKE_TIMELINE_MAX_BYTES`` knob (1 GiB unless set).
 
     Raises:
-        ValueError: the path is empty or cannot be written.
+        ValueError: the path is empty or cannot be written, or ``max_bytes`` is
+            not an int >= 4096.
 
     Example:
         >>> hvd.start_timeline("/tmp/timeline.json", mark_cycles=True)
@@ -270,7 +274,7 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     """
     from . import timeline
 
-    timeline.start(runtime(), file_path, mark_cycles)
+    timeline.start(runtime(), file_path, mark_cycles, max_bytes)
 
 
 def stop_timeline() -> None:

@@ -63,6 +63,18 @@ def _positive(kind: Callable[[str], Any], what: str) -> Callable[[str], Any]:
     return parse
 
 
+def _at_least(low: int, what: str) -> Callable[[str], int]:
+    inner = _non_negative(int, what)
+
+    def parse(text: str) -> int:
+        value = inner(text)
+        if value < low:
+            raise ValueError(what)
+        return value
+
+    return parse
+
+
 def _log_level(text: str) -> str:
     low = text.strip().lower()
     if low not in LOG_LEVELS:
@@ -137,6 +149,9 @@ KNOBS = (
     Knob("timeline_mark_cycles", False, _parse_bool,
          "mark background cycles in the timeline",
          flag="--timeline-mark-cycles"),
+    Knob("timeline_max_bytes", 1024 * MIB, _at_least(4096, "a byte count >= 4096"),
+         "the timeline file stops growing at this size (a TIMELINE_TRUNCATED mark ends it)",
+         flag="--timeline-max-mb", flag_scale=MIB),
     Knob("autotune", False, _parse_bool,
          "tune fusion threshold and cycle time while training",
          flag="--autotune"),
@@ -191,6 +206,7 @@ class Config:
     log_level: str = "warning"
     timeline: str = ""
     timeline_mark_cycles: bool = False
+    timeline_max_bytes: int = 1024 * MIB
     autotune: bool = False
     autotune_log: str = ""
     autotune_warmup_samples: int = 3

@@ -97,16 +97,25 @@ class Coordinator:
         self._first_seen: Dict[str, float] = {}
         # group name -> completed responses waiting for the rest of the group.
         self._groups: Dict[str, List[Response]] = {}
+        # Readiness times for the timeline, recorded only while ``record_arrivals``:
+        # name -> {rank: when its request was first added}, kept until the name's
+        # response is released; ``arrivals`` holds those of the last ready() call.
+        self.record_arrivals = False
+        self._arrived: Dict[str, Dict[int, float]] = {}
+        self.arrivals: Dict[str, Dict[int, float]] = {}
 
     def __len__(self) -> int:
         return len(self._table)
 
     def add(self, requests: Iterable[Request], now: Optional[float] = None) -> None:
         now = time.monotonic() if now is None else now
+        arrived = self._arrived if self.record_arrivals else None
         for req in requests:
             row = self._table.setdefault(req.name, {})
             self._first_seen.setdefault(req.name, now)
             row[req.rank] = req
+            if arrived is not None:
+                arrived.setdefault(req.name, {}).setdefault(req.rank, now)
             if req.op == OpType.JOIN and req.rank not in self.joined:
                 self.joined.add(req.rank)
                 self._last_joined = req.rank
@@ -138,6 +147,11 @@ class Coordinator:
                 out.extend(members)
             else:
                 out.append(resp)
+        if self._arrived:
+            self.arrivals = {r.name: self._arrived.pop(r.name) for r in out
+                             if r.name in self._arrived}
+        elif self.arrivals:
+            self.arrivals = {}
         return out
 
     def pending(self, now: Optional[float] = None) -> List[Tuple[str, float, List[int]]]:

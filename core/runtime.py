@@ -205,7 +205,8 @@ class Runtime:
         self.set_ranks = {**self.set_ranks, set_id: list(ranks)}
         if state is not None:
             state.executor.complete_many = self._complete_many
-            state.executor.timeline = self.timeline
+            if self.timeline is not None:
+                self.timeline.bind(state)
             state.executor.fusion_threshold = self.fusion_threshold
             self.process_sets = {**self.process_sets, set_id: state}
 
@@ -520,7 +521,7 @@ class Runtime:
             result = state.controller.cycle(state.queue.drain(),
                                             shutdown=self._stopping and set_id == 0)
             if timeline is not None:
-                timeline.negotiated(set_id, result.work)
+                timeline.negotiated(state, result)
             if result.shutdown:
                 return True
             if set_id == 0 and self._set_changes:

@@ -1,25 +1,42 @@
 """The timeline: a Chrome-trace JSON file of what every collective went through.
 
-Open the file in ``chrome://tracing`` or https://ui.perfetto.dev. Each tensor
-name gets a row; on it:
+Open the file in https://ui.perfetto.dev or ``chrome://tracing``. Each tensor
+name gets a row; on it, one after the other:
 
-* ``NEGOTIATE_<OP>`` -- from submission until the ranks agreed to run it;
+* ``NEGOTIATE_<OP>`` -- from submission until the ranks agreed to run it. Its
+  ``args`` say how they agreed (``agreed_by``):
+
+  - ``coordinator``: the request went to the coordinator (the process set's
+    rank 0). In the coordinator's own file the span carries one instant per
+    rank, named by the rank's number, at the moment the coordinator first held
+    that rank's request (the gather of the cycle that rank sent it in), and
+    ``ready_ranks`` lists them in that order; the span starts at the earliest
+    of this rank's submission and the first such instant. Other ranks' files
+    show the span without instants: they never see the others' requests.
+  - ``response cache`` / ``learned order``: a repeat of a known collective,
+    agreed by the summed ready bits or the one-word vote on the learned order.
+    Only "every rank was ready at agreement" crosses the wire on these paths,
+    so there are no per-rank instants (and no control traffic is added for them).
+
+* ``QUEUE`` -- from agreement until the executor began launching its batch
+  (fusion planning and launching the batches ahead of it);
 * ``<OP>`` (``ALLREDUCE``, ``BROADCAST``...) -- from launch until its handle
-  completed, containing
-  ``MEMCPY_IN_FUSION_BUFFER`` (or ``LAUNCH`` when not fused: staging and
-  starting the transfer), ``GLOO_<OP>``/``NCCL_<OP>`` (the transfer itself) and
+  completed, containing ``MEMCPY_IN_FUSION_BUFFER`` (or ``LAUNCH`` when not
+  fused: staging and starting the transfer), ``GLOO_<OP>``/``NCCL_<OP>`` (the
+  transfer, until the completion thread saw it done -- in launch order) and
   ``MEMCPY_OUT_FUSION_BUFFER`` (or ``FINALIZE``: copying results out).
 
 With ``mark_cycles`` every background cycle adds a ``CYCLE_START`` instant.
 
 Recording is off unless ``HVDLIKE_TIMELINE=path`` (``HOROVOD_TIMELINE``) is set
-or :func:`start` is called; when off, the runtime's hooks cost one attribute
+or :func:`start` is called; when off, each runtime hook costs one attribute
 check. As in Horovod, rank 0 writes the file; a path containing ``{rank}``
 is formatted per rank and every rank writes its own. Events are queued and
 written by a thread of their own, so recording never blocks a collective.
-A file stops growing at ``max_bytes`` (1 GiB unless told otherwise): a
-``TIMELINE_TRUNCATED`` instant marks the point, later events are dropped, and
-the file is still closed as valid JSON -- a forgotten timeline never fills a disk.
+A file never grows past ``max_bytes`` (``HVDLIKE_TIMELINE_MAX_BYTES``, 1 GiB
+unless told otherwise): a ``TIMELINE_TRUNCATED`` instant marks the point, later
+events are dropped, and the file is still closed as valid JSON -- a forgotten
+timeline never fills a disk.
 """
 
 from __future__ import annotations
@@ -31,6 +48,16 @@ import time
 from typing import Dict, Optional
 
 DEFAULT_MAX_BYTES = 1 << 30
+MIN_MAX_BYTES = 4096  # room for the header, a few events and the truncation mark
+_RESERVE = 256  # kept free for the truncation mark and the closing bracket
+
+
+def check_max_bytes(max_bytes, what: str = "max_bytes") -> int:
+    """``max_bytes`` as an int, or ValueError naming ``what`` and the bound."""
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) \
+            or max_bytes < MIN_MAX_BYTES:
+        raise ValueError(f"{what} must be an int >= {MIN_MAX_BYTES} (bytes), got {max_bytes!r}")
+    return max_bytes
 
 
 class Timeline:
@@ -40,18 +67,18 @@ class Timeline:
         path: file to write (truncated).
         mark_cycles: also record an instant at the start of each cycle.
         rank: written into the trace metadata.
-        max_bytes: stop recording once the file reaches this size.
+        max_bytes: the file never grows past this size (>= ``MIN_MAX_BYTES``).
     """
 
     def __init__(self, path: str, mark_cycles: bool = False, rank: int = 0,
                  max_bytes: int = DEFAULT_MAX_BYTES):
         self.path = path
         self.mark_cycles = mark_cycles
-        self.max_bytes = max_bytes
-        self._written = 0
+        self.max_bytes = check_max_bytes(max_bytes)
         self.truncated = False
         self._file = open(path, "w", encoding="utf-8")
         self._file.write("[\n")
+        self._written = 2
         self._first = True
         self._origin = time.monotonic()
         self._rows: Dict[str, int] = {}
@@ -60,40 +87,46 @@ class Timeline:
         self._writer = threading.Thread(target=self._write_loop, name="hvdlike-timeline",
                                         daemon=True)
         self._writer.start()
-        self._emit({"name": "process_name", "ph": "M", "pid": 0,
-                    "args": {"name": f"hvdlike rank {rank} cycles"}})
+        self._meta(0, "process_name", {"name": f"hvdlike rank {rank} cycles"})
 
     # -- writing ---------------------------------------------------------------------
 
     def _emit(self, event: dict) -> None:
         self._queue.put(event)
 
+    def _meta(self, pid: int, name: str, args: dict) -> None:
+        self._emit({"name": name, "ph": "M", "pid": pid, "tid": 0, "ts": 0, "args": args})
+
     def _write_loop(self) -> None:
+        """The only writer of the file: events in order, then the closing bracket."""
         while True:
             event = self._queue.get()
             if event is None:
-                return
+                break
             if self.truncated:
                 continue  # drain the queue, write nothing more
             text = json.dumps(event, separators=(",", ":"))
-            if self._written + len(text) + 2 > self.max_bytes:
+            if self._written + len(text) + 2 + _RESERVE > self.max_bytes:
                 self.truncated = True
                 text = json.dumps({"name": "TIMELINE_TRUNCATED", "ph": "i", "s": "g", "pid": 0,
                                    "tid": 0, "ts": event.get("ts", 0),
-                                   "args": {"max_bytes": self.max_bytes}})
-            self._file.write(text if self._first else ",\n" + text)
-            self._written += len(text) + 2
+                                   "args": {"max_bytes": self.max_bytes}},
+                                  separators=(",", ":"))
+            text = text if self._first else ",\n" + text
+            self._file.write(text)
+            self._written += len(text)
             self._first = False
+        self._file.write("\n]\n")
+        self._file.close()
 
     def close(self) -> None:
         """Write what is queued, end the JSON array and close the file."""
         self._queue.put(None)
-        self._writer.join(10.0)
-        self._file.write("\n]\n")
-        self._file.close()
+        self._writer.join(30.0)
 
     def _us(self, t: float) -> float:
-        return round((t - self._origin) * 1e6, 1)
+        """Microseconds since the file was opened; earlier times clamp to 0."""
+        return max(0.0, round((t - self._origin) * 1e6, 1))
 
     def _row(self, name: str) -> int:
         with self._lock:
@@ -104,19 +137,23 @@ class Timeline:
             else:
                 new = False
         if new:
-            self._emit({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": name}})
-            self._emit({"name": "process_sort_index", "ph": "M", "pid": pid,
-                        "args": {"sort_index": pid}})
+            self._meta(pid, "process_name", {"name": name})
+            self._meta(pid, "process_sort_index", {"sort_index": pid})
         return pid
 
     def _span(self, pid: int, name: str, start: float, end: float, args=None) -> None:
-        event = {"name": name, "ph": "X", "pid": pid, "tid": 0, "ts": self._us(start),
-                 "dur": max(0.0, round((end - start) * 1e6, 1))}
+        ts = self._us(start)
+        event = {"name": name, "ph": "X", "pid": pid, "tid": 0, "ts": ts,
+                 "dur": max(0.0, round(self._us(end) - ts, 1))}
         if args:
             event["args"] = args
         self._emit(event)
 
     # -- hooks -----------------------------------------------------------------------
+
+    def bind(self, state) -> None:
+        """Record the process set ``state`` (a runtime ``ProcessSetState``)."""
+        bind(state, self)
 
     def cycle(self) -> None:
         """Start of a background cycle (only recorded with ``mark_cycles``)."""
@@ -124,17 +161,48 @@ class Timeline:
             self._emit({"name": "CYCLE_START", "ph": "i", "s": "g", "pid": 0, "tid": 0,
                         "ts": self._us(time.monotonic())})
 
-    def negotiated(self, set_id: int, work) -> None:
-        """The controller returned ``work`` (response, entry) pairs: negotiation ended."""
+    def negotiated(self, state, result) -> None:
+        """A cycle of process set ``state`` ended; ``result`` is its ``CycleResult``.
+
+        Ends the NEGOTIATE span of every agreed entry (and starts its QUEUE).
+        """
+        work = result.work
+        if not work:
+            return
         now = time.monotonic()
-        for response, entry in work:
+        ranks = state.ranks
+        coordinated = result.coordinated
+        arrivals = {}
+        if coordinated is not None and state.controller.coordinator is not None:
+            arrivals = state.controller.coordinator.arrivals  # this cycle's releases
+        cached_by = "learned order" if result.fast else "response cache"
+        for index, (response, entry) in enumerate(work):
             if entry is None or not entry.enqueued_at:
                 continue
-            args = {"process_set": set_id}
+            entry.negotiated_at = now
+            start = entry.enqueued_at
+            ticks = ()
+            args = {"process_set": state.id}
+            if coordinated is None or index < coordinated:
+                args["agreed_by"] = cached_by
+                args["ready"] = "every rank, at agreement (per-rank times not exchanged)"
+            else:
+                args["agreed_by"] = "coordinator"
+                times = arrivals.get(response.name)
+                if times:
+                    ticks = sorted(times.items(), key=lambda item: (item[1], item[0]))
+                    start = min(start, ticks[0][1])
+                    args["ready_ranks"] = [ranks[r] for r, _ in ticks]
+            if response.joined:
+                args["joined_ranks"] = [ranks[r] for r in response.joined]
             if response.error:
                 args["error"] = response.error.splitlines()[0]
-            self._span(self._row(response.name), f"NEGOTIATE_{response.op.name}",
-                       entry.enqueued_at, now, args)
+            pid = self._row(response.name)
+            self._span(pid, f"NEGOTIATE_{response.op.name}", start, now, args)
+            for set_rank, seen in ticks:
+                rank = ranks[set_rank]
+                self._emit({"name": str(rank), "ph": "i", "s": "t", "pid": pid, "tid": 0,
+                            "ts": self._us(seen), "args": {"ready_rank": rank}})
 
     def wrap(self, items, started: float, done):
         """Wrap a batch's completion callback so it records the batch's phases.
@@ -145,6 +213,7 @@ class Timeline:
             done: the callback the completion thread runs after the transfer.
         """
         issued = time.monotonic()
+        started = started or issued  # recording began while the batch launched
 
         def timed():
             waited = time.monotonic()
@@ -155,10 +224,12 @@ class Timeline:
 
     def _executed(self, items, started, issued, waited, finished) -> None:
         fused = len(items) > 1
-        for response, _ in items:
+        for response, entry in items:
             op = response.op.name
             backend = "NCCL" if response.device.startswith("cuda") else "GLOO"
             pid = self._row(response.name)
+            if entry is not None and 0.0 < entry.negotiated_at <= started:
+                self._span(pid, "QUEUE", entry.negotiated_at, started)
             self._span(pid, op, started, finished,
                        {"dtype": response.dtype, "shape": list(response.shape),
                         "fused_with": len(items) - 1})
@@ -174,25 +245,40 @@ def _path_for(path: str, rank: int) -> Optional[str]:
     return path if rank == 0 else None
 
 
-def start(runtime, file_path: str, mark_cycles: bool = False) -> None:
-    """Start recording on ``runtime`` (replacing a timeline already running)."""
+def start(runtime, file_path: str, mark_cycles: bool = False,
+          max_bytes: Optional[int] = None) -> None:
+    """Start recording on ``runtime`` (replacing a timeline already running).
+
+    ``max_bytes`` None: the ``timeline_max_bytes`` knob.
+    """
     if not isinstance(file_path, str) or not file_path:
         raise ValueError(f"start_timeline: file_path must be a non-empty str, got {file_path!r}")
+    if max_bytes is None:
+        max_bytes = runtime.config.timeline_max_bytes
+    check_max_bytes(max_bytes, "start_timeline: max_bytes")
     stop(runtime)
     path = _path_for(file_path, runtime.topology.rank)
     if path is None:
         return
     try:
-        timeline = Timeline(path, bool(mark_cycles), runtime.topology.rank)
+        timeline = Timeline(path, bool(mark_cycles), runtime.topology.rank, max_bytes)
     except OSError as exc:
         raise ValueError(f"start_timeline: cannot write {path!r}: {exc}") from None
     attach(runtime, timeline)
 
 
+def bind(state, timeline: Optional[Timeline]) -> None:
+    """Point one process set's hooks at ``timeline`` (None: stop recording it)."""
+    state.executor.timeline = timeline
+    coordinator = state.controller.coordinator
+    if coordinator is not None:
+        coordinator.record_arrivals = timeline is not None
+
+
 def attach(runtime, timeline: Optional[Timeline]) -> None:
     runtime.timeline = timeline
     for state in list(runtime.process_sets.values()):
-        state.executor.timeline = timeline
+        bind(state, timeline)
 
 
 def stop(runtime) -> None:

@@ -83,6 +83,14 @@ def test_knob_flags_become_variables():
     assert core_config.load(env).fusion_threshold == 64 * 1024 * 1024
 
 
+def test_timeline_cap_flag_in_mib_is_checked_by_the_core():
+    env = _config("-np", "2", "--timeline-max-mb", "2", "python").knob_env
+    assert env["HVDLIKE_TIMELINE_MAX_BYTES"] == str(2 * 1024 * 1024)
+    assert core_config.load(env).timeline_max_bytes == 2 * 1024 * 1024
+    with pytest.raises(LaunchError, match="--timeline-max-mb .* byte count >= 4096"):
+        _config("-np", "2", "--timeline-max-mb", "0.001", "python")
+
+
 def test_start_timeout_flag_drives_the_launcher_too():
     config = _config("-np", "1", "--start-timeout", "7", "python")
     assert config.start_timeout == 7.0
