@@ -1,10 +1,14 @@
 """Autotune on real ranks: the search finishes, every rank keeps the same settings."""
 
 import csv
+import importlib.util
 import json
 import os
+import shutil
 
-from tests.multiproc.harness import run_ranks
+import pytest
+
+from tests.multiproc.harness import run_mpirun, run_ranks
 
 # Tensors per step (float32 elements): 1.2 MB, 0.8 MB, 0.2 MB and a tiny one, so the
 # 1 MiB threshold splits the step into several batches and larger ones fuse it whole.
@@ -42,6 +46,7 @@ def _train(out_dir):
         "threshold": rt.fusion_threshold,
         "executor_thresholds": [s.executor.fusion_threshold for s in rt.process_sets.values()],
         "cycle_seconds": rt.cycle_seconds,
+        "control_plane": type(rt.process_sets[0].controller.control).__name__,
     }
     hvd.barrier()
     hvd.shutdown()
@@ -49,14 +54,14 @@ def _train(out_dir):
         json.dump(result, f)
 
 
-def test_autotune_two_ranks(tmp_path):
-    log = str(tmp_path / "autotune.csv")
-    env = {"HVDLIKE_AUTOTUNE": "1", "HVDLIKE_AUTOTUNE_LOG": log,
-           "HVDLIKE_AUTOTUNE_WARMUP_SAMPLES": str(WARMUP),
-           "HVDLIKE_AUTOTUNE_STEPS_PER_SAMPLE": str(STEPS_PER_SAMPLE)}
-    codes, outputs = run_ranks(_train, np=2, args=(str(tmp_path),), env=env, timeout=150,
-                               expect_failure=True)
-    assert codes == [0, 0], outputs
+def _env(log):
+    return {"HVDLIKE_AUTOTUNE": "1", "HVDLIKE_AUTOTUNE_LOG": log,
+            "HVDLIKE_AUTOTUNE_WARMUP_SAMPLES": str(WARMUP),
+            "HVDLIKE_AUTOTUNE_STEPS_PER_SAMPLE": str(STEPS_PER_SAMPLE)}
+
+
+def _check(tmp_path, log, rank0_output, control_plane):
+    """Both ranks settled alike, the CSV has every sample, rank 0 printed the settings."""
     results = []
     for rank in range(2):
         with open(tmp_path / f"rank{rank}.json") as f:
@@ -65,6 +70,7 @@ def test_autotune_two_ranks(tmp_path):
         assert r["wrong"] == [], r  # values exact while the threshold kept changing
         assert not r["still_tuning"]
         assert r["executor_thresholds"] == [r["threshold"]]
+        assert r["control_plane"] == control_plane
     assert results[0]["threshold"] == results[1]["threshold"]
     assert results[0]["cycle_seconds"] == results[1]["cycle_seconds"]
 
@@ -84,11 +90,30 @@ def test_autotune_two_ranks(tmp_path):
     assert int(chosen["fusion_threshold_bytes"]) == results[0]["threshold"]
     assert float(chosen["cycle_time_ms"]) / 1000.0 == results[0]["cycle_seconds"]
 
-    lines = [line.strip() for line in outputs[0].splitlines()]
-    assert f"HVDLIKE_FUSION_THRESHOLD={chosen['fusion_threshold_bytes']}" in lines, outputs[0]
-    assert f"HVDLIKE_CYCLE_TIME={chosen['cycle_time_ms']}" in lines, outputs[0]
-    assert "autotune settled" in outputs[0]
+    lines = [line.strip() for line in rank0_output.splitlines()]
+    assert lines.count(f"HVDLIKE_FUSION_THRESHOLD={chosen['fusion_threshold_bytes']}") == 1, \
+        rank0_output
+    assert lines.count(f"HVDLIKE_CYCLE_TIME={chosen['cycle_time_ms']}") == 1, rank0_output
+    assert "autotune settled" in rank0_output
+
+
+def test_autotune_two_ranks(tmp_path):
+    log = str(tmp_path / "autotune.csv")
+    codes, outputs = run_ranks(_train, np=2, args=(str(tmp_path),), env=_env(log), timeout=150,
+                               expect_failure=True)
+    assert codes == [0, 0], outputs
+    _check(tmp_path, log, outputs[0], "GlooControlPlane")
     assert "HVDLIKE_FUSION_THRESHOLD=" not in outputs[1]
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None or importlib.util.find_spec("mpi4py") is None,
+                    reason="needs mpirun and mpi4py (pip install 'hvdlike[mpi]')")
+def test_autotune_over_the_mpi_control_plane(tmp_path):
+    log = str(tmp_path / "autotune.csv")
+    code, output = run_mpirun(_train, np=2, args=(str(tmp_path),), env=_env(log), timeout=150,
+                              expect_failure=True)
+    assert code == 0, output
+    _check(tmp_path, log, output, "MpiControlPlane")  # mpirun merges the ranks' output: printed once
 
 
 def _start_with_bad_log():
