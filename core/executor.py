@@ -181,7 +181,8 @@ class Executor:
                     self.complete(entry, None, error)
 
         if self.timeline is not None:
-            done = self.timeline.wrap(items, self._batch_started, done)
+            done = self.timeline.wrap(items, self._batch_started, done,
+                                      getattr(work, "engine", ""))
         self.launched += 1
         if getattr(work, "inline", False):
             # A blocking engine (MPI, see mpi_plane.py) runs on this thread, in

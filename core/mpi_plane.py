@@ -195,6 +195,7 @@ class _Deferred:
 
     __slots__ = ("_run", "_done")
     inline = True
+    engine = "MPI"  # the timeline's name for the transfer (MPI_ALLREDUCE...)
 
     def __init__(self, run: Callable[[], None]):
         self._run = run
@@ -240,7 +241,8 @@ class MpiDataGroup:
         op = None
         if self._mpi_ok(tensors):
             wanted = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-            op = next((m for d, m in self._ops.items() if d == wanted), None)
+            # ReduceOp == RedOpType holds only in this order (torch compares one way).
+            op = next((m for d, m in self._ops.items() if wanted == d), None)
         if op is None:
             return self._gloo().allreduce(tensors, opts)
         buf = _array(tensors[0])

@@ -22,7 +22,7 @@ name gets a row; on it, one after the other:
   (fusion planning and launching the batches ahead of it);
 * ``<OP>`` (``ALLREDUCE``, ``BROADCAST``...) -- from launch until its handle
   completed, containing ``MEMCPY_IN_FUSION_BUFFER`` (or ``LAUNCH`` when not
-  fused: staging and starting the transfer), ``GLOO_<OP>``/``NCCL_<OP>`` (the
+  fused: staging and starting the transfer), ``GLOO_<OP>``/``NCCL_<OP>``/``MPI_<OP>`` (the
   transfer, until the completion thread saw it done -- in launch order) and
   ``MEMCPY_OUT_FUSION_BUFFER`` (or ``FINALIZE``: copying results out).
 
@@ -204,13 +204,14 @@ class Timeline:
                 self._emit({"name": str(rank), "ph": "i", "s": "t", "pid": pid, "tid": 0,
                             "ts": self._us(seen), "args": {"ready_rank": rank}})
 
-    def wrap(self, items, started: float, done):
+    def wrap(self, items, started: float, done, engine: str = ""):
         """Wrap a batch's completion callback so it records the batch's phases.
 
         Args:
             items: the batch's (response, entry) pairs.
             started: when the executor began launching the batch.
             done: the callback the completion thread runs after the transfer.
+            engine: what moved the data ("MPI"); default GLOO, or NCCL for CUDA.
         """
         issued = time.monotonic()
         started = started or issued  # recording began while the batch launched
@@ -218,15 +219,15 @@ class Timeline:
         def timed():
             waited = time.monotonic()
             done()
-            self._executed(items, started, issued, waited, time.monotonic())
+            self._executed(items, started, issued, waited, time.monotonic(), engine)
 
         return timed
 
-    def _executed(self, items, started, issued, waited, finished) -> None:
+    def _executed(self, items, started, issued, waited, finished, engine="") -> None:
         fused = len(items) > 1
         for response, entry in items:
             op = response.op.name
-            backend = "NCCL" if response.device.startswith("cuda") else "GLOO"
+            backend = engine or ("NCCL" if response.device.startswith("cuda") else "GLOO")
             pid = self._row(response.name)
             if entry is not None and 0.0 < entry.negotiated_at <= started:
                 self._span(pid, "QUEUE", entry.negotiated_at, started)

@@ -194,3 +194,35 @@ def test_a_failing_rank_ends_the_mpirun_job_without_a_hang():
     assert code is not None, "mpirun did not finish: a rank hung\n" + output[-3000:]
     assert code != 0
     assert "rank one gives up" in output
+
+
+def _timeline(path):
+    import json
+
+    import torch
+
+    import hvdlike.torch as hvd
+
+    hvd.init()
+    rank = hvd.rank()
+    hvd.allreduce(torch.ones(8), name="traced.cpu", op=hvd.Sum)
+    hvd.allreduce(torch.ones(8, dtype=torch.float16), name="traced.half", op=hvd.Sum)
+    hvd.barrier()
+    hvd.shutdown()
+    if rank != 0:
+        return None
+    with open(path) as f:
+        events = json.load(f)
+    rows = {e["pid"]: e["args"]["name"] for e in events
+            if e.get("ph") == "M" and e.get("name") == "process_name"}
+    return sorted({(rows.get(e["pid"]), e["name"]) for e in events
+                   if e.get("ph") == "X" and e["name"].endswith("_ALLREDUCE")})
+
+
+def test_timeline_names_the_engine_that_moved_each_tensor(tmp_path):
+    path = str(tmp_path / "trace.json")
+    results = run_mpirun(_timeline, np=2, args=(path,), env={"HVDLIKE_TIMELINE": path},
+                         timeout=120)
+    # float32 rides MPI; float16, which MPI cannot reduce, stays on Gloo.
+    assert ("traced.cpu", "MPI_ALLREDUCE") in results[0]
+    assert ("traced.half", "GLOO_ALLREDUCE") in results[0]
