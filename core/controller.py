@@ -169,9 +169,9 @@ class Controller:
                 if bad:
                     self._evict(slot)
         joined = flags[FLAG_JOINED]
-        for slot, votes in enumerate(total[:n]):
-            if votes and (votes % (self.size + 1)) + joined >= self.size and not invalidated[slot]:
-                self._run_cached(slot, result)
+        self._run_cached([slot for slot, votes in enumerate(total[:n])
+                          if votes and (votes % (self.size + 1)) + joined >= self.size
+                          and not invalidated[slot]], result)
 
         if flags[FLAG_UNCACHED]:
             self.slow_cycles += 1
@@ -196,11 +196,14 @@ class Controller:
                 hits.setdefault(group, []).append(kind is Lookup.HIT)
         return {g for g, h in hits.items() if any(h) and not all(h)}
 
-    def _run_cached(self, slot: int, result: CycleResult) -> None:
-        response = self.cache.response(slot)
-        self.cache.touch(slot)
-        self.sequence.executed(slot)
-        result.work.append((response, self._cached.pop(slot, None)))
+    def _run_cached(self, slots: List[int], result: CycleResult) -> None:
+        """Execute cached ``slots`` in this order (every rank runs the same slots alike)."""
+        if not slots:
+            return
+        responses = self.cache.take(slots)
+        self.sequence.executed_many(slots)
+        pop = self._cached.pop
+        result.work.extend(zip(responses, [pop(slot, None) for slot in slots]))
 
     def _fast_cycle(self, result: CycleResult, invalid, shutdown: bool) -> bool:
         """Negotiate with one MIN-allreduced word when every rank follows the order.
@@ -224,8 +227,7 @@ class Controller:
             return False
         self.fast_cycles += 1
         result.fast = True
-        for slot in self.sequence.take(agreed):
-            self._run_cached(slot, result)
+        self._run_cached(self.sequence.take(agreed), result)
         if self.coordinator is not None:
             result.stalled = self.coordinator.pending()
         return True

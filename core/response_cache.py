@@ -63,6 +63,15 @@ class ResponseCache:
     def touch(self, slot: int) -> None:
         self._lru.move_to_end(self._slots[slot][0].name)
 
+    def take(self, slots: List[int]) -> List[Response]:
+        """The responses of ``slots``, each touched in turn (as most recently used)."""
+        cached = self._slots
+        responses = [cached[slot][0] for slot in slots]
+        move_to_end = self._lru.move_to_end
+        for response in responses:
+            move_to_end(response.name)
+        return responses
+
     def put(self, response: Response, own: Request) -> List[int]:
         """Cache ``response``; return the slots evicted to make room."""
         if self.capacity <= 0:

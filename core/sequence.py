@@ -58,6 +58,35 @@ class LearnedSequence:
             return []
         return self.order[self.pos:self.pos + count]
 
+    def executed_many(self, slots: List[int]) -> None:
+        """:meth:`executed` for each of ``slots`` in turn, in one call.
+
+        The same state transitions, with the state in locals: this runs for
+        every cached tensor of every cycle.
+        """
+        order, pos = self.order, self.pos
+        seen, current = self._seen, self._round
+        for slot in slots:
+            if order is not None:
+                if order[pos] == slot:
+                    pos += 1
+                    if pos == len(order):
+                        pos = 0
+                else:
+                    order = None
+            if slot not in seen:
+                current.append(slot)
+                seen.add(slot)
+                continue
+            finished = current
+            current = [slot]
+            seen = {slot}
+            if order is None and finished[0] == slot:
+                order = finished
+                pos = 1 % len(finished)
+        self.order, self.pos = order, pos
+        self._seen, self._round = seen, current
+
     def executed(self, slot: int) -> None:
         """Record that cached ``slot`` executed; every rank calls this in the same order."""
         order = self.order

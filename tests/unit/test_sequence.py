@@ -137,3 +137,25 @@ def test_a_tensor_outside_the_order_falls_back_to_the_full_vector_without_hangin
     executed = [n for cycle in out[0] for n in cycle]
     assert executed.count("extra") == 1 and executed.count("g0") == 5
     assert ex.calls["gather"] == 2
+
+
+def test_executed_many_matches_executed_one_by_one():
+    import random
+
+    rng = random.Random(7)
+    for _ in range(200):
+        # Mostly a repeating order, with the odd deviation, as in training.
+        base = list(range(rng.randint(1, 6)))
+        stream = []
+        for _ in range(rng.randint(1, 8)):
+            stream += base if rng.random() < 0.8 else rng.sample(base, len(base))
+            if rng.random() < 0.2:
+                stream.append(rng.randint(0, 8))
+        one, many = LearnedSequence(), LearnedSequence()
+        for slot in stream:
+            one.executed(slot)
+        cut = rng.randint(0, len(stream))
+        many.executed_many(stream[:cut])
+        many.executed_many(stream[cut:])
+        assert (one.order, one.pos, one._round, one._seen) == \
+            (many.order, many.pos, many._round, many._seen)
