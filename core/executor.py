@@ -144,7 +144,7 @@ class Executor:
             else:
                 runnable.append((response, entry))
         responses = [r for r, _ in runnable]
-        for batch in fusion.plan(responses, self.fusion_threshold):
+        for batch in self._plan(responses):
             items = [runnable[i] for i in batch]
             if self.timeline is not None:
                 self._batch_started = time.monotonic()
@@ -158,6 +158,22 @@ class Executor:
                 raise error from exc
 
     # -- helpers ---------------------------------------------------------------
+
+    _last_plan: tuple = ([], -1, [])  # (responses, threshold, batches) of the last cycle
+
+    def _plan(self, responses: List[Response]) -> List[List[int]]:
+        """:func:`fusion.plan`, reused while a cycle repeats the previous one.
+
+        Training executes the same cached responses (the same objects) in the
+        same order every step; comparing the lists costs one identity check
+        per response, planning again about a microsecond.
+        """
+        last, threshold, batches = self._last_plan
+        if threshold == self.fusion_threshold and responses == last:
+            return batches
+        batches = fusion.plan(responses, self.fusion_threshold)
+        self._last_plan = (responses, self.fusion_threshold, batches)
+        return batches
 
     def _submit(self, work, items: List[Work], finalize: Callable[[], List[Any]],
                 release: Optional[torch.Tensor] = None) -> None:
