@@ -88,6 +88,32 @@ class Request:
 
 _signature_fields = operator.attrgetter(
     *(f.name for f in dataclasses.fields(Request) if f.name != "rank"))
+_REQUEST_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Request)
+                     if f.default is not dataclasses.MISSING}
+
+
+def new_request(name: str, op: OpType, dtype: str, shape: Tuple[int, ...], device: str,
+                **fields) -> Request:
+    """``Request(name=name, ..., **fields)`` for the per-tensor submission path.
+
+    Fills ``__dict__`` directly: the generated frozen ``__init__`` sets each of
+    the 13 fields through ``object.__setattr__`` and costs about three times as
+    much. Nothing is validated here, as nothing is in ``__init__`` either.
+    """
+    request = _new_object(Request)
+    values = request.__dict__
+    values.update(_REQUEST_DEFAULTS)
+    values["name"] = name
+    values["op"] = op
+    values["dtype"] = dtype
+    values["shape"] = shape
+    values["device"] = device
+    if fields:
+        values.update(fields)
+    return request
+
+
+_new_object = object.__new__
 
 
 @dataclasses.dataclass(frozen=True)

@@ -51,13 +51,13 @@ def _submit(entries, process_set):
 def _allreduce_entries(tensors, name, inplace, op, prescale_factor, postscale_factor,
                        process_set, grouped):
     what = "grouped_allreduce" if grouped else "allreduce"
-    reduce_op = core.check_op(op, what)
-    kwargs = dict(op=reduce_op, prescale_factor=prescale_factor,
-                  postscale_factor=postscale_factor, inplace=inplace)
+    reduce_op = core.check_op(op, what)  # before naming: a bad op takes no automatic name
     if grouped:
         return core.grouped(core.allreduce_entry, tensors, _name(name, what, process_set), what,
-                            **kwargs)
-    return [core.allreduce_entry(tensors, _name(name, what, process_set), **kwargs)]
+                            op=reduce_op, prescale_factor=prescale_factor,
+                            postscale_factor=postscale_factor, inplace=inplace)
+    return [core.allreduce_entry(tensors, _name(name, what, process_set), reduce_op,
+                                 prescale_factor, postscale_factor, inplace)]
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
