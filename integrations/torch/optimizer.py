@@ -67,23 +67,27 @@ class _Distributed:
         else:
             self._hvd_prescale = self._hvd_postscale = 1.0
         self._hvd_names: Dict[torch.Tensor, str] = {}
+        self._hvd_named: set = set()  # ids of the parameters in _hvd_names
         self._hvd_user_names = _check_named_parameters(named_parameters, self.param_groups)
         # Two optimizers (a GAN's) may both own "0.weight": the second and later
         # ones prefix their names. Build them in the same order on every rank.
         index = next(_instances)
         self._hvd_prefix = "" if index == 0 else f"opt{index}."
-        self._hvd_hooks = {}
-        self._hvd_passes: Dict[torch.Tensor, int] = {}
-        self._hvd_handles: Dict[object, tuple] = {}  # param (or group index) -> pending work
+        # Per-parameter tables are keyed by id(p): a tensor's own __hash__ is a
+        # Python call, and the hooks look parameters up hundreds of times a step.
+        self._hvd_hooks: Dict[int, object] = {}
+        self._hvd_passes: Dict[int, int] = {}
+        # id(p), ("group", index) or ("bucket", index) -> pending work
+        self._hvd_handles: Dict[object, tuple] = {}
         self._hvd_round_open = False
         self._hvd_should_sync = True
-        self._hvd_group_of: Dict[torch.Tensor, int] = {}
+        self._hvd_group_of: Dict[int, int] = {}
         self._hvd_groups: List[List[torch.Tensor]] = []
         self._hvd_group_ready: Dict[int, set] = {}
         self._hvd_register_all()
         self._hvd_build_groups(num_groups, groups)
         self._hvd_buckets: List[_buckets.Bucket] = []
-        self._hvd_bucket_of: Dict[torch.Tensor, Tuple[_buckets.Bucket, int]] = {}
+        self._hvd_bucket_of: Dict[int, Tuple[_buckets.Bucket, int]] = {}
         if op != ops.Adasum and not self._hvd_groups:
             self._hvd_build_buckets()
 
@@ -93,12 +97,15 @@ class _Distributed:
                 yield gi, pi, p
 
     def _hvd_register_all(self) -> None:
+        named = self._hvd_named
         for gi, pi, p in self._hvd_params():
-            if p not in self._hvd_names:
+            key = id(p)  # parameters stay alive in param_groups, so ids stay theirs
+            if key not in named:
+                named.add(key)
                 self._hvd_names[p] = self._hvd_prefix + self._hvd_user_names.get(
                     p, f"DistributedOptimizer.noname.{gi}.{pi}")
-            if p.requires_grad and p not in self._hvd_hooks:
-                self._hvd_hooks[p] = _take_over(p, self)
+            if p.requires_grad and key not in self._hvd_hooks:
+                self._hvd_hooks[key] = _take_over(p, self)
 
     def _hvd_build_groups(self, num_groups, groups) -> None:
         dense = [p for _, _, p in self._hvd_params() if p.requires_grad]
@@ -116,10 +123,10 @@ class _Distributed:
                     if p not in known:
                         raise ValueError(f"DistributedOptimizer: groups[{i}] holds a tensor "
                                          "that is not a trainable parameter of the optimizer")
-                    if p in self._hvd_group_of:
+                    if id(p) in self._hvd_group_of:
                         raise ValueError(f"DistributedOptimizer: a parameter appears in more "
                                          f"than one group (again in groups[{i}])")
-                    self._hvd_group_of[p] = len(member_lists)
+                    self._hvd_group_of[id(p)] = len(member_lists)
                 member_lists.append(members)
         elif num_groups:
             if not isinstance(num_groups, int) or num_groups < 0:
@@ -129,7 +136,7 @@ class _Distributed:
             member_lists = [dense[i:i + per] for i in range(0, len(dense), per)] if per else []
             for gi, members in enumerate(member_lists):
                 for p in members:
-                    self._hvd_group_of[p] = gi
+                    self._hvd_group_of[id(p)] = gi
         else:
             member_lists = []
         self._hvd_groups = member_lists
@@ -141,7 +148,7 @@ class _Distributed:
         self._hvd_buckets = _buckets.plan(params, self._hvd_names, threshold)
         for bucket in self._hvd_buckets:
             for slot, p in enumerate(bucket.members):
-                self._hvd_bucket_of[p] = (bucket, slot)
+                self._hvd_bucket_of[id(p)] = (bucket, slot)
 
     def _hvd_sparse_in_bucket(self, p: torch.Tensor):
         """The dense gradient a bucket packs for ``p``'s sparse one (None: sent alone)."""
@@ -162,25 +169,36 @@ class _Distributed:
                                                        (bucket, ctx))
 
     def _hvd_hook(self, p: torch.Tensor) -> None:
-        count = self._hvd_passes.get(p, 0) + 1
+        key = id(p)
+        where = self._hvd_bucket_of.get(key)
+        if where is not None and self._hvd_k == 1:
+            # The common case, kept short: a bucket member's slot says whether
+            # its hook already fired this round.
+            bucket, slot = where
+            if bucket.marked[slot]:
+                raise RuntimeError(_HOOK_OVERFLOW.format(name=self._hvd_names[p], k=1))
+            self._hvd_round_open = True
+            if bucket.mark(slot):
+                self._hvd_launch_bucket(bucket)
+            return
+        count = self._hvd_passes.get(key, 0) + 1
         if count > self._hvd_k:
             raise RuntimeError(_HOOK_OVERFLOW.format(name=self._hvd_names[p], k=self._hvd_k))
-        self._hvd_passes[p] = count
+        self._hvd_passes[key] = count
         self._hvd_round_open = True
         if count < self._hvd_k:
             return
-        where = self._hvd_bucket_of.get(p)
         if where is not None:
             bucket, slot = where
             if bucket.mark(slot):
                 self._hvd_launch_bucket(bucket)
             return
-        gi = self._hvd_group_of.get(p)
+        gi = self._hvd_group_of.get(key)
         if gi is None:
             self._hvd_launch(p)
             return
         ready = self._hvd_group_ready.setdefault(gi, set())
-        ready.add(p)
+        ready.add(key)
         if len(ready) == len(self._hvd_groups[gi]):
             self._hvd_launch_group(gi)
 
@@ -198,7 +216,7 @@ class _Distributed:
         if p.grad is not None and p.grad.is_sparse and not self._hvd_sparse_as_dense:
             handle = sparse_allreduce_async(p.grad, name=name, op=self._hvd_op,
                                             process_set=self._hvd_process_set)
-            self._hvd_handles[p] = ("sparse", handle, None, None)
+            self._hvd_handles[id(p)] = ("sparse", handle, p, None)
             return
         grad = self._hvd_dense_grad(p)
         compressed, ctx = self._hvd_compression.compress(grad)
@@ -206,7 +224,7 @@ class _Distributed:
                                       prescale_factor=self._hvd_prescale,
                                       postscale_factor=self._hvd_postscale,
                                       process_set=self._hvd_process_set)
-        self._hvd_handles[p] = ("dense", handle, compressed, ctx)
+        self._hvd_handles[id(p)] = ("dense", handle, compressed, (p, ctx))
 
     def _hvd_launch_group(self, gi: int) -> None:
         members = self._hvd_groups[gi]
@@ -218,7 +236,7 @@ class _Distributed:
             f"{self._hvd_names[members[0]]}", op=self._hvd_op,
             prescale_factor=self._hvd_prescale, postscale_factor=self._hvd_postscale,
             process_set=self._hvd_process_set)
-        self._hvd_handles[gi] = ("group", handle, pairs, members)
+        self._hvd_handles[("group", gi)] = ("group", handle, pairs, members)
 
     def synchronize(self) -> None:
         """Finish this round's gradient reduction; gradients are averaged afterwards.
@@ -230,7 +248,8 @@ class _Distributed:
         self._hvd_register_all()  # parameters unfrozen or added since
         if not self._hvd_round_open:
             return
-        launched_groups = {gi for gi in self._hvd_handles if isinstance(gi, int)}
+        launched_groups = {k[1] for k in self._hvd_handles if isinstance(k, tuple)
+                           and k[0] == "group"}
         for gi in range(len(self._hvd_groups)):
             if gi not in launched_groups and any(p.requires_grad for p in self._hvd_groups[gi]):
                 self._hvd_launch_group(gi)
@@ -240,21 +259,23 @@ class _Distributed:
                 bucket.pending = 0
                 self._hvd_launch_bucket(bucket)
         for _, _, p in self._hvd_params():
-            if (p.requires_grad and p not in self._hvd_handles
-                    and self._hvd_group_of.get(p) is None and p not in self._hvd_bucket_of):
+            key = id(p)
+            if (p.requires_grad and key not in self._hvd_handles
+                    and key not in self._hvd_group_of and key not in self._hvd_bucket_of):
                 self._hvd_launch(p)
         handles, self._hvd_handles = self._hvd_handles, {}
         self._hvd_reset_buckets()
         self._hvd_passes = {}
         self._hvd_group_ready = {}
         self._hvd_round_open = False
-        for key, (kind, handle, payload, extra) in handles.items():
+        for kind, handle, payload, extra in handles.values():
             if kind == "sparse":
-                key.grad = ops.synchronize(handle)
+                payload.grad = ops.synchronize(handle)  # payload: the parameter
             elif kind == "dense":
                 out = ops.synchronize(handle)
-                if payload is not key.grad:
-                    key.grad.copy_(self._hvd_compression.decompress(out, extra))
+                p, ctx = extra
+                if payload is not p.grad:
+                    p.grad.copy_(self._hvd_compression.decompress(out, ctx))
             elif kind == "bucket":
                 bucket, ctx = extra
                 out = ops.synchronize(handle)
@@ -349,7 +370,7 @@ def _take_over(p: torch.Tensor, optimizer: _Distributed):
         old_handle.remove()
         previous = old_ref()
         if previous is not None and previous is not optimizer:
-            previous._hvd_hooks.pop(p, None)
+            previous._hvd_hooks.pop(id(p), None)
     ref = weakref.ref(optimizer)
 
     def hook(param: torch.Tensor) -> None:
