@@ -55,3 +55,37 @@ def test_new_request_equals_the_dataclass_built_one():
     assert fast.with_rank(1).rank == 1 and fast.rank == 0
     with pytest.raises(AttributeError):
         fast.name = "other"  # still frozen
+
+
+def test_concurrent_submitters_lose_nothing_and_clash_once_per_name():
+    import threading
+
+    queue = TensorQueue()
+    clashes = []
+    drained = []
+
+    def submit(tag):
+        for i in range(300):
+            try:
+                queue.put([_entry(f"n{i}", tag)])
+            except DuplicateNameError:
+                clashes.append(i)
+            if i % 50 == 0:
+                queue.put([_entry(f"{tag}.g{i}.0"), _entry(f"{tag}.g{i}.1")])
+
+    threads = [threading.Thread(target=submit, args=(t,)) for t in ("x", "y")]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        drained += queue.drain()
+    for t in threads:
+        t.join(10)
+    drained += queue.drain()
+    names = [e.request.name for e in drained]
+    assert sorted(clashes) == list(range(300))  # each name went in exactly once
+    assert len(names) == len(set(names)) == 300 + 2 * 6 * 2  # names, plus 6 pairs per thread
+    for tag in ("x", "y"):  # a group stays in one piece, in order
+        for i in range(0, 300, 50):
+            k = names.index(f"{tag}.g{i}.0")
+            assert names[k + 1] == f"{tag}.g{i}.1"
+    assert set(queue.waiting_since()) == set(names)
