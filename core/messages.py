@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import operator
 from typing import Optional, Tuple
 
@@ -93,6 +94,8 @@ _REQUEST_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Request)
 
 
 def new_request(name: str, op: OpType, dtype: str, shape: Tuple[int, ...], device: str,
+                reduce_op: ReduceOp = ReduceOp.SUM, prescale: float = 1.0,
+                postscale: float = 1.0, group: str = "", group_size: int = 0,
                 **fields) -> Request:
     """``Request(name=name, ..., **fields)`` for the per-tensor submission path.
 
@@ -108,6 +111,11 @@ def new_request(name: str, op: OpType, dtype: str, shape: Tuple[int, ...], devic
     values["dtype"] = dtype
     values["shape"] = shape
     values["device"] = device
+    values["reduce_op"] = reduce_op
+    values["prescale"] = prescale
+    values["postscale"] = postscale
+    values["group"] = group
+    values["group_size"] = group_size
     if fields:
         values.update(fields)
     return request
@@ -141,7 +149,10 @@ class Response:
     error: str = ""
     joined: Tuple[int, ...] = ()
 
-    @property
+    # Cached responses execute every step, so what the executor derives from
+    # their (frozen) fields is computed once and kept in the instance dict.
+
+    @functools.cached_property
     def numel(self) -> int:
         n = 1
         for d in self.shape:
@@ -150,6 +161,10 @@ class Response:
 
     def fusion_key(self) -> Optional[tuple]:
         """Responses with equal keys may share one fusion buffer; None: never fused."""
+        return self._fusion_key
+
+    @functools.cached_property
+    def _fusion_key(self) -> Optional[tuple]:
         if self.error or self.op != OpType.ALLREDUCE or self.reduce_op == ReduceOp.ADASUM:
             return None
         return (self.op, self.dtype, self.device, self.reduce_op, self.prescale,
