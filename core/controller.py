@@ -123,19 +123,20 @@ class Controller:
         self.last_control_seconds = 0.0
         result = CycleResult()
         invalid = set()
-        lookups = [self.cache.lookup(e.request) for e in entries]
-        partial_groups = self._partially_cached_groups(entries, lookups)
-        for entry, (kind, slot) in zip(entries, lookups):
-            req = entry.request
-            if req.op == OpType.JOIN:
+        requests = [e.request for e in entries]
+        lookups = self.cache.lookup_many(requests)
+        partial_groups = self._partially_cached_groups(requests, lookups)
+        cached = self._cached
+        join, hit = OpType.JOIN, Lookup.HIT
+        for entry, req, (kind, slot) in zip(entries, requests, lookups):
+            if req.op == join:
                 self._joined = True
                 self._miss(entry)
-                continue
-            if req.group and req.group in partial_groups and kind is Lookup.HIT:
-                self._miss(entry)  # a group is negotiated whole (see below)
-            elif kind is Lookup.HIT and slot not in self._cached:
-                self._cached[slot] = entry
+            elif kind is hit and slot not in cached and not (
+                    req.group and req.group in partial_groups):
+                cached[slot] = entry
             else:
+                # A group partly cached is negotiated whole (see below).
                 if kind is Lookup.CONFLICT:
                     invalid.add(slot)
                 self._miss(entry)
@@ -181,7 +182,7 @@ class Controller:
             result.stalled = self.coordinator.pending()
         return result
 
-    def _partially_cached_groups(self, entries: Sequence[Entry], lookups) -> set:
+    def _partially_cached_groups(self, requests: Sequence[Request], lookups) -> set:
         """Groups with some members cached and some not.
 
         The coordinator releases a group only once all its members were
@@ -190,8 +191,8 @@ class Controller:
         are identical on every rank, so every rank decides alike.
         """
         hits: Dict[str, List[bool]] = {}
-        for entry, (kind, _) in zip(entries, lookups):
-            group = entry.request.group
+        for request, (kind, _) in zip(requests, lookups):
+            group = request.group
             if group:
                 hits.setdefault(group, []).append(kind is Lookup.HIT)
         return {g for g, h in hits.items() if any(h) and not all(h)}

@@ -27,6 +27,9 @@ class Lookup(enum.Enum):
     CONFLICT = 2
 
 
+_MISS = (Lookup.MISS, -1)
+
+
 class ResponseCache:
     """LRU map name -> (slot, response, own request signature)."""
 
@@ -52,6 +55,24 @@ class ResponseCache:
         if signature != request.signature():
             return Lookup.CONFLICT, slot
         return Lookup.HIT, slot
+
+    def lookup_many(self, requests: List[Request]) -> List[Tuple[Lookup, int]]:
+        """:meth:`lookup` of each request (the per-tensor path of every cycle)."""
+        get = self._lru.get
+        cached = self._slots
+        signature = Request.signature
+        hit, conflict = Lookup.HIT, Lookup.CONFLICT
+        out = []
+        append = out.append
+        for request in requests:
+            slot = get(request.name)
+            if slot is None:
+                append(_MISS)
+            elif cached[slot][1] != signature(request):
+                append((conflict, slot))
+            else:
+                append((hit, slot))
+        return out
 
     def response(self, slot: int) -> Response:
         return self._slots[slot][0]
