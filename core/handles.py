@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable, Iterable, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence
 
 from .errors import HvdlikeInternalError
 
@@ -111,8 +111,9 @@ class Handle:
                 raise TimeoutError(f"collective {self.name!r} did not complete in {timeout}s")
 
 
-def finish_many(outcomes: Iterable[Tuple[Handle, Any, Optional[BaseException]]]) -> None:
-    """Complete several handles, each with ``(handle, result, error)``, under one lock.
+def finish_many(handles: Sequence[Handle], results: Sequence[Any],
+                errors: Optional[Dict[int, BaseException]] = None) -> None:
+    """Complete ``handles[i]`` with ``results[i]`` (or ``errors[i]``), under one lock.
 
     Equivalent to calling ``set_result``/``set_error`` on each in order; waiters
     are woken and callbacks run after the lock is released.
@@ -120,10 +121,13 @@ def finish_many(outcomes: Iterable[Tuple[Handle, Any, Optional[BaseException]]])
     wake = []
     called = []
     with _lock:
-        for handle, result, error in outcomes:
+        for i, (handle, result) in enumerate(zip(handles, results)):
             if handle._done:
                 continue
-            handle._result, handle._error = result, error
+            if errors and i in errors:
+                handle._error = errors[i]
+            else:
+                handle._result = result
             handle._done = True
             if handle._waiter is not None:
                 wake.append(handle._waiter)

@@ -408,22 +408,23 @@ class Runtime:
 
     def _complete_many(self, entries: Sequence[Entry], results: Sequence) -> None:
         """:meth:`_complete` with success for a batch: one queue and one handle lock."""
-        outcomes = []
-        names = []
-        for entry, result in zip(entries, results):
-            error = None
-            if entry.finish is not None:
+        if not entries:
+            return
+        errors = None
+        hooked = [i for i, entry in enumerate(entries) if entry.finish is not None]
+        if hooked:
+            results = list(results)
+            for i in hooked:
                 try:
-                    result = entry.finish(result)
+                    results[i] = entries[i].finish(results[i])
                 except BaseException as exc:  # a frontend conversion failed: report it
-                    result, error = None, exc
-            names.append(entry.request.name)
-            outcomes.append((entry.handle, result, error))
-        if entries:
-            state = self.process_sets.get(entries[0].set_id)
-            if state is not None:
-                state.queue.release_many(names)
-        finish_many(outcomes)
+                    results[i] = None
+                    errors = errors or {}
+                    errors[i] = exc
+        state = self.process_sets.get(entries[0].set_id)
+        if state is not None:
+            state.queue.release_many([entry.request.name for entry in entries])
+        finish_many([entry.handle for entry in entries], results, errors)
 
     def _set_fatal(self, error: BaseException) -> None:
         if self.fatal is None:

@@ -49,8 +49,7 @@ def test_finish_many_completes_each_handle_with_its_own_outcome():
     waited = []
     thread = _waiter(handles[1], waited)
     error = KeyError("no")
-    finish_many([(handles[0], 0, None), (handles[1], 1, None), (handles[2], None, error),
-                 (handles[3], "ignored", None)])
+    finish_many(handles, [0, 1, None, "ignored"], {2: error})
     thread.join(10)
     assert called == ["h0"]
     assert waited == [("ok", 1)]
