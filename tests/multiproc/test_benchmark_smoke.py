@@ -3,21 +3,31 @@
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def test_quick_benchmark_writes_every_workload_and_finite_ratios(tmp_path):
+@pytest.mark.parametrize("launcher,engine", [("torchrun", "gloo"), ("mpirun", "mpi")])
+def test_quick_benchmark_writes_every_workload_and_finite_ratios(tmp_path, launcher, engine):
+    if launcher == "mpirun" and (shutil.which("mpirun") is None
+                                 or not __import__("importlib").util.find_spec("mpi4py")):
+        pytest.skip("needs mpirun and mpi4py (pip install mpi4py mpich)")
     out = tmp_path / "bench.json"
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "examples", "benchmark.py"), "--np", "2", "--quick",
-         "--rss-steps", "30", "--json", str(out), "--timeout", "150"],
+         "--rss-steps", "30", "--json", str(out), "--timeout", "150", "--launcher", launcher],
         capture_output=True, text=True, timeout=180, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
     results = data["results"]
+    # hvdlike ran on the engines this launcher gives it.
+    assert (data["meta"]["hvdlike_controller"], data["meta"]["hvdlike_cpu_operations"]) == (
+        engine, engine)
     assert set(results) == {"train_large", "train_small", "allreduce", "many_small",
                             "overhead", "rss"}
     for key in ("train_large", "train_small"):
