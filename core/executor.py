@@ -170,6 +170,8 @@ class Executor:
         same order every step; comparing the lists costs one identity check
         per response, planning again about a microsecond.
         """
+        if not responses:  # an idle cycle: keep the memo for the next busy one
+            return []
         last, threshold, batches = self._last_plan
         if threshold == self.fusion_threshold and responses == last:
             return batches
