@@ -226,3 +226,33 @@ def test_timeline_names_the_engine_that_moved_each_tensor(tmp_path):
     # float32 rides MPI; float16, which MPI cannot reduce, stays on Gloo.
     assert ("traced.cpu", "MPI_ALLREDUCE") in results[0]
     assert ("traced.half", "GLOO_ALLREDUCE") in results[0]
+
+
+def _dynamic_sets_and_reinit():
+    import torch
+
+    import hvdlike.torch as hvd
+
+    out = []
+    for round_ in range(3):  # init/shutdown cycles each build and free their communicators
+        hvd.init(process_sets="dynamic")
+        r = hvd.rank()
+        pair = hvd.add_process_set([0, 2])
+        value = None
+        if r in (0, 2):
+            value = hvd.allreduce(torch.tensor([float(r + round_)]), op=hvd.Sum,
+                                  process_set=pair).item()
+        hvd.remove_process_set(pair)
+        total = hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum, name=f"all.{round_}").item()
+        hvd.barrier()
+        hvd.shutdown()
+        out.append((value, total))
+    return out
+
+
+def test_dynamic_sets_and_repeated_init_on_mpi():
+    results = run_mpirun(_dynamic_sets_and_reinit, np=3, timeout=180)
+    for rank, rounds in enumerate(results):
+        for round_, (value, total) in enumerate(rounds):
+            assert total == 3.0
+            assert value == (None if rank == 1 else 2.0 + 2 * round_)
