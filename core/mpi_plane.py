@@ -32,7 +32,7 @@ from typing import Callable, List, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .errors import ConfigError
+from .errors import ConfigError, HvdlikeInternalError
 
 ENGINES = ("auto", "gloo", "mpi")
 
@@ -135,15 +135,20 @@ def _array(tensor: torch.Tensor):
 class MpiControlPlane:
     """Negotiation collectives on an MPI communicator (see controller.ControlPlane).
 
-    The steady-state word is a non-blocking allreduce polled with short naps:
-    a blocking MPI call would spin a core at 100 % while a peer is still
-    computing, which on a busy host slows the very training it waits for.
+    Every call is non-blocking and polled with short naps: a blocking MPI
+    call would spin a core at 100 % while a peer is still computing, which on
+    a busy host slows the very training it waits for -- and it could never
+    be given up. ``abandon()`` is asked between polls; once it returns an
+    error (the job failed: a stall shutdown, a dead peer) the wait raises it
+    instead of waiting for peers that will never come.
     """
 
-    def __init__(self, comm, rank: int, size: int):
+    def __init__(self, comm, rank: int, size: int,
+                 abandon: Callable[[], Optional[BaseException]] = lambda: None):
         self.comm = comm
         self.rank = rank
         self.size = size
+        self.abandon = abandon
         import numpy as np
 
         self._word = np.zeros(1, dtype=np.int64)
@@ -153,6 +158,10 @@ class MpiControlPlane:
         while not request.Test():
             waited = time.perf_counter() - started
             if waited >= _SPIN_SECONDS:
+                error = self.abandon()
+                if error is not None:
+                    raise HvdlikeInternalError(
+                        f"negotiation abandoned, the job has failed: {error}") from None
                 time.sleep(min(_MAX_NAP_SECONDS, max(_MIN_NAP_SECONDS, waited * 0.1)))
 
     def allreduce_sum(self, values: Sequence[int]) -> List[int]:
@@ -173,14 +182,41 @@ class MpiControlPlane:
         return int(word[0])
 
     def gather(self, payload: bytes) -> Optional[List[bytes]]:
+        import numpy as np
+
         if self.size == 1:
             return [payload]
-        return self.comm.gather(payload, root=0)
+        MPI = _mpi()
+        lengths = np.zeros(self.size, dtype=np.int64)
+        mine = np.array([len(payload)], dtype=np.int64)
+        self._wait(self.comm.Igather(mine, lengths if self.rank == 0 else None, root=0))
+        data = np.frombuffer(payload, dtype=np.uint8) if payload else np.zeros(0, np.uint8)
+        if self.rank != 0:
+            self._wait(self.comm.Igatherv(data, None, root=0))
+            return None
+        counts = [int(n) for n in lengths]
+        out = np.empty(sum(counts), dtype=np.uint8)
+        self._wait(self.comm.Igatherv(data, [out, counts, MPI.UNSIGNED_CHAR], root=0))
+        pieces, start = [], 0
+        for n in counts:
+            pieces.append(out[start:start + n].tobytes())
+            start += n
+        return pieces
 
     def broadcast(self, payload: Optional[bytes]) -> bytes:
+        import numpy as np
+
         if self.size == 1:
             return payload
-        return self.comm.bcast(payload, root=0)
+        length = np.array([len(payload) if self.rank == 0 else 0], dtype=np.int64)
+        self._wait(self.comm.Ibcast(length, root=0))
+        if self.rank == 0:
+            data = np.frombuffer(payload, dtype=np.uint8).copy()
+        else:
+            data = np.empty(int(length[0]), dtype=np.uint8)
+        if data.size:
+            self._wait(self.comm.Ibcast(data, root=0))
+        return payload if self.rank == 0 else data.tobytes()
 
     def close(self) -> None:
         free(self.comm)

@@ -39,7 +39,8 @@ class ProcessSetState:
     """Everything one process set needs on a member rank."""
 
     def __init__(self, set_id: int, ranks: Sequence[int], global_rank: int, store, cfg,
-                 local_addr: str, complete, explain, engines=("gloo", "gloo")):
+                 local_addr: str, complete, explain, engines=("gloo", "gloo"),
+                 abandon=lambda: None):
         self.id = set_id
         self.ranks = list(ranks)
         self.rank = self.ranks.index(global_rank)
@@ -59,7 +60,7 @@ class ProcessSetState:
                 self.groups.cpu_plane = mpi_plane.MpiDataGroup(
                     comm.Dup(), lambda: self.groups.torch_group("cpu"))
             if controller_engine == "mpi":
-                control = mpi_plane.MpiControlPlane(comm, self.rank, self.size)
+                control = mpi_plane.MpiControlPlane(comm, self.rank, self.size, abandon)
                 self.groups.closers.append(control.close)
             else:
                 mpi_plane.free(comm)
@@ -192,7 +193,8 @@ class Runtime:
         if self.topology.rank not in ranks:
             return None
         state = ProcessSetState(set_id, ranks, self.topology.rank, self.store, self.config,
-                                self.local_addr, self._complete, self._explain, self.engines)
+                                self.local_addr, self._complete, self._explain, self.engines,
+                                lambda: self.fatal)
         return state
 
     def install_process_set(self, set_id: int, ranks: Sequence[int],

@@ -256,3 +256,24 @@ def test_dynamic_sets_and_repeated_init_on_mpi():
         for round_, (value, total) in enumerate(rounds):
             assert total == 3.0
             assert value == (None if rank == 1 else 2.0 + 2 * round_)
+
+
+def _mismatched_names():
+    import torch
+
+    import hvdlike.torch as hvd
+
+    hvd.init()
+    try:
+        hvd.allreduce(torch.ones(2), name="only.on.rank0" if hvd.rank() == 0 else "only.on.rank1")
+    except Exception as exc:  # the stall shutdown fails the collective on every rank
+        return type(exc).__name__, str(exc)
+    return None
+
+
+def test_stall_shutdown_ends_an_mpi_job_on_every_rank():
+    env = {"HVDLIKE_STALL_CHECK_TIME_SECONDS": "1", "HVDLIKE_STALL_SHUTDOWN_TIME_SECONDS": "2"}
+    results = run_mpirun(_mismatched_names, np=2, env=env, timeout=90)
+    for kind, text in results:
+        assert kind == "StallError"
+        assert "only.on.rank0" in text and "missing rank(s) 1" in text
