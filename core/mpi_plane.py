@@ -10,8 +10,8 @@ uses its own network transport.
 :func:`choose` decides, per job, which engine carries negotiation
 (``HVDLIKE_CONTROLLER``) and CPU tensors (``HVDLIKE_CPU_OPERATIONS``):
 ``auto`` means MPI when the ranks were started by mpirun and mpi4py runs at
-``MPI_THREAD_MULTIPLE`` (the background and finisher threads call MPI
-concurrently), Gloo otherwise.
+``MPI_THREAD_MULTIPLE`` (the background thread negotiates and moves data while
+a user thread may be creating a process set's communicator), Gloo otherwise.
 
 :class:`MpiDataGroup` mimics the slice of the torch ``ProcessGroup`` interface
 the executor uses. Allreduce and broadcast of the dtypes MPI reduces natively
@@ -33,8 +33,6 @@ import torch
 import torch.distributed as dist
 
 from .errors import ConfigError, HvdlikeInternalError
-
-ENGINES = ("auto", "gloo", "mpi")
 
 # Poll pacing of the control word while a peer is late (see MpiControlPlane):
 # spin briefly, then nap a tenth of the time waited so far (so a late answer
