@@ -4,3 +4,23 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+
+def pytest_configure(config):
+    """A SIGTERM (a CI timeout, ``kill``) stops the run like Ctrl-C.
+
+    pytest then still runs its teardown: rank processes are killed by the
+    harness and the network-namespace hosts are removed, so a terminated run
+    leaves nothing behind.
+    """
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"terminated by signal {signum}")
+
+    if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+        signal.signal(signal.SIGTERM, interrupt)
