@@ -108,6 +108,15 @@ def write_script(folder, name, body):
     return path
 
 
+def wait_ready(marker, ranks, proc, timeout):
+    """Wait until every rank wrote ``ready.<rank>`` into ``marker``; fail if the job ends first."""
+    deadline = time.monotonic() + timeout
+    while not all((marker / f"ready.{r}").exists() for r in range(ranks)):
+        assert time.monotonic() < deadline, "ranks did not start"
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.2)
+
+
 def wait_for_lines(proc_stdout_path, needle, count, timeout):
     """Poll a file until ``needle`` appears ``count`` times."""
     deadline = time.monotonic() + timeout

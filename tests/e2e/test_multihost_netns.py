@@ -9,11 +9,10 @@ import shutil
 import signal
 import sys
 import textwrap
-import time
 
 import pytest
 
-from .conftest import TRAINING, finish, kill_session, run, start, wait_until_gone
+from .conftest import TRAINING, finish, kill_session, run, start, wait_ready, wait_until_gone
 
 pytestmark = pytest.mark.netns
 
@@ -67,11 +66,7 @@ def test_remote_rank_killed_mid_run_leaves_nothing_behind(netns_cluster, marker)
     proc = start(["-np", "4", "-H", f"{c.ips[0]}:2,{c.ips[1]}:2", "--grace-period-seconds", "2",
                   *c.ssh_options(), "python", script])
     try:
-        deadline = time.monotonic() + 120
-        while not all((marker / f"ready.{r}").exists() for r in range(4)):
-            assert time.monotonic() < deadline, "ranks did not start"
-            assert proc.poll() is None, proc.communicate()
-            time.sleep(0.2)
+        wait_ready(marker, 4, proc, timeout=120)
         victim = int((marker / "ready.3").read_text())
         assert victim in c.pids(c.namespaces[1])  # rank 3 really runs on the second host
         os.kill(victim, signal.SIGKILL)
@@ -181,11 +176,7 @@ def test_stopping_the_launcher_ends_ranks_on_every_host(netns_cluster, marker, s
     proc = start(["-np", "4", "-H", f"{c.ips[0]}:2,{c.ips[1]}:2", "--grace-period-seconds", "2",
                   *c.ssh_options(), "python", script])
     try:
-        deadline = time.monotonic() + 90
-        while not all((marker / f"ready.{r}").exists() for r in range(4)):
-            assert time.monotonic() < deadline, "ranks did not start"
-            assert proc.poll() is None, proc.communicate()
-            time.sleep(0.2)
+        wait_ready(marker, 4, proc, timeout=90)
         proc.send_signal(sig)
         code, out, err = finish(proc, timeout=30)
     finally:

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from .conftest import TRAINING, finish, kill_session, launcher_env, start
+from .conftest import TRAINING, finish, kill_session, launcher_env, start, wait_ready
 from .test_multihost_netns import _script
 
 pytestmark = pytest.mark.netns
@@ -19,11 +19,7 @@ def test_partition_fails_the_job_naming_the_unreachable_rank(netns_cluster, mark
                   *c.ssh_options(), "python", script], env=env)
     link = f"hvv{c.tag}2"  # the second host's cable into the bridge
     try:
-        deadline = time.monotonic() + 120
-        while not all((marker / f"ready.{r}").exists() for r in range(2)):
-            assert time.monotonic() < deadline, "ranks did not start"
-            assert proc.poll() is None, proc.communicate()
-            time.sleep(0.2)
+        wait_ready(marker, 2, proc, timeout=120)
         subprocess.run(["ip", "link", "set", link, "down"], check=True)
         began = time.monotonic()
         code, out, err = finish(proc, timeout=90)
