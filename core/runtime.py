@@ -52,6 +52,8 @@ class ProcessSetState:
         self.groups = Groups(dist.PrefixStore(f"ps{set_id}/", store), self.rank, self.size,
                              cfg.gloo_timeout_seconds, local_addr,
                              gloo_control=controller_engine == "gloo")
+        control = (GlooControlPlane(self.groups.control, self.rank, self.size)
+                   if controller_engine == "gloo" else None)
         if "mpi" in engines:
             from . import mpi_plane
 
@@ -59,13 +61,11 @@ class ProcessSetState:
             if cpu_engine == "mpi":
                 self.groups.cpu_plane = mpi_plane.MpiDataGroup(
                     comm.Dup(), lambda: self.groups.torch_group("cpu"))
-            if controller_engine == "mpi":
+            if control is None:
                 control = mpi_plane.MpiControlPlane(comm, self.rank, self.size, abandon)
                 self.groups.closers.append(control.close)
             else:
-                mpi_plane.free(comm)
-        if controller_engine == "gloo":
-            control = GlooControlPlane(self.groups.control, self.rank, self.size)
+                mpi_plane.free(comm)  # only its duplicate (the data plane) is used
         self.controller = Controller(control, cfg.cache_capacity)
         self.executor = Executor(self.groups, self.rank, self.size, cfg.fusion_threshold,
                                  complete, explain)
