@@ -1,48 +1,12 @@
 """The negotiation cycle on threads with an in-memory control plane (no processes)."""
 
 import random
-import threading
 
 from hvdlike.core.controller import Controller
 from hvdlike.core.handles import Handle
 from hvdlike.core.messages import OpType, Request
 from hvdlike.core.tensor_queue import Entry
-
-
-class Exchange:
-    """In-memory collectives for ``size`` threads, each call a rendezvous."""
-
-    def __init__(self, size):
-        self.size = size
-        self.barrier = threading.Barrier(size, timeout=10)
-        self.slots = [None] * size
-        self.calls = {"allreduce": 0, "gather": 0, "broadcast": 0}
-
-    def _all(self, rank, value):
-        self.slots[rank] = value
-        self.barrier.wait()
-        values = list(self.slots)
-        self.barrier.wait()
-        return values
-
-
-class FakeControl:
-    def __init__(self, exchange, rank):
-        self.ex, self.rank, self.size = exchange, rank, exchange.size
-
-    def allreduce_sum(self, values):
-        if self.rank == 0:
-            self.ex.calls["allreduce"] += 1
-        return [sum(col) for col in zip(*self.ex._all(self.rank, list(values)))]
-
-    def gather(self, payload):
-        if self.rank == 0:
-            self.ex.calls["gather"] += 1
-        values = self.ex._all(self.rank, payload)
-        return values if self.rank == 0 else None
-
-    def broadcast(self, payload):
-        return self.ex._all(self.rank, payload)[0]
+from tests.unit.fake_ranks import Exchange, FakeControl, run_in_threads
 
 
 def _entry(name, rank, n=4):
@@ -63,11 +27,7 @@ def _run(size, per_rank_batches, capacity=16, cycles=6):
             seen.extend(resp.name for resp, _ in result.work)
         orders[rank] = seen
 
-    threads = [threading.Thread(target=body, args=(r,)) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(20)
+    run_in_threads(size, body, timeout=20)
     return orders, ex
 
 
@@ -96,7 +56,7 @@ def test_steady_state_uses_only_the_bit_vector():
 
     orders, ex = _run(2, batches, cycles=8)
     assert orders[0] == orders[1] == ["a", "b", "c"] * 4
-    assert ex.calls["allreduce"] == 8
+    assert ex.calls["sum"] == 8
     assert ex.calls["gather"] == 1  # only the first time the names are seen
 
 

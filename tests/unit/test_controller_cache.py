@@ -1,13 +1,10 @@
 """Response-cache pressure in the controller: evictions and grouped collectives (threads)."""
 
+from hvdlike.core.controller import Controller
 from hvdlike.core.handles import Handle
 from hvdlike.core.messages import OpType, Request
 from hvdlike.core.tensor_queue import Entry
-from tests.unit.test_sequence import _Exchange, _Control
-
-import threading
-
-from hvdlike.core.controller import Controller
+from tests.unit.fake_ranks import Exchange, FastControl, run_in_threads
 
 
 def _entry(name, rank, group="", group_size=0):
@@ -18,23 +15,19 @@ def _entry(name, rank, group="", group_size=0):
 
 def _drive(size, schedule, capacity):
     """schedule: per-cycle list of (name, group, group_size) for every rank alike."""
-    ex = _Exchange(size)
+    ex = Exchange(size)
     out = [None] * size
     ctls = [None] * size
 
     def body(rank):
-        ctl = Controller(_Control(ex, rank), capacity)
+        ctl = Controller(FastControl(ex, rank), capacity)
         seen = []
         for specs in schedule:
             result = ctl.cycle([_entry(n, rank, g, k) for n, g, k in specs])
             seen.append(sorted(r.name for r, _ in result.work))
         out[rank], ctls[rank] = seen, ctl
 
-    threads = [threading.Thread(target=body, args=(r,)) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    run_in_threads(size, body)
     assert all(o is not None for o in out), "a rank failed"
     return out, ctls, ex
 

@@ -1,13 +1,11 @@
 """Join bookkeeping in the negotiation cycle (threads, in-memory control plane)."""
 
-import threading
-
 from hvdlike.core.controller import Controller
 from hvdlike.core.handles import Handle
 from hvdlike.core.messages import OpType, Request
 from hvdlike.core.tensor_queue import Entry
 
-from tests.unit.test_controller import Exchange, FakeControl
+from tests.unit.fake_ranks import Exchange, FakeControl, run_in_threads
 
 
 def _allreduce(name, rank):
@@ -33,11 +31,7 @@ def _script(size, plan):
             log.append([(resp.name, entry is not None, resp.root) for resp, entry in result.work])
         logs[rank] = log
 
-    threads = [threading.Thread(target=body, args=(r,)) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(20)
+    run_in_threads(size, body, timeout=20)
     assert all(log is not None for log in logs)
     return logs
 

@@ -1,12 +1,12 @@
 """The learned order and the one-word negotiation fast path (threads, no processes)."""
 
-import threading
 
 from hvdlike.core.controller import Controller
 from hvdlike.core.handles import Handle
 from hvdlike.core.messages import OpType, Request
 from hvdlike.core.sequence import LearnedSequence
 from hvdlike.core.tensor_queue import Entry
+from tests.unit.fake_ranks import Exchange, FastControl, run_in_threads
 
 
 def test_order_is_learned_after_a_slot_comes_round_again():
@@ -36,41 +36,6 @@ def test_reset_forgets_everything():
     assert seq.take(0) == []  # idle ranks agree on 0 before any order exists
 
 
-class _Exchange:
-    def __init__(self, size):
-        self.size = size
-        self.barrier = threading.Barrier(size, timeout=10)
-        self.slots = [None] * size
-        self.calls = {"sum": 0, "min": 0, "gather": 0}
-
-    def all(self, rank, value, kind):
-        if rank == 0:
-            self.calls[kind] = self.calls.get(kind, 0) + 1
-        self.slots[rank] = value
-        self.barrier.wait()
-        values = list(self.slots)
-        self.barrier.wait()
-        return values
-
-
-class _Control:
-    def __init__(self, ex, rank):
-        self.ex, self.rank, self.size = ex, rank, ex.size
-
-    def allreduce_sum(self, values):
-        return [sum(c) for c in zip(*self.ex.all(self.rank, list(values), "sum"))]
-
-    def allreduce_min(self, value):
-        return min(self.ex.all(self.rank, value, "min"))
-
-    def gather(self, payload):
-        values = self.ex.all(self.rank, payload, "gather")
-        return values if self.rank == 0 else None
-
-    def broadcast(self, payload):
-        return self.ex.all(self.rank, payload, "broadcast")[0]
-
-
 def _entry(name, rank):
     req = Request(name=name, op=OpType.ALLREDUCE, dtype="float32", shape=(4,), rank=rank)
     return Entry(req, None, None, Handle(name))
@@ -78,12 +43,12 @@ def _entry(name, rank):
 
 def _drive(size, schedule, capacity=64):
     """schedule[rank] = list of per-cycle name lists; returns per-rank executed names."""
-    ex = _Exchange(size)
+    ex = Exchange(size)
     out = [None] * size
     ctls = [None] * size
 
     def body(rank):
-        ctl = Controller(_Control(ex, rank), capacity)
+        ctl = Controller(FastControl(ex, rank), capacity)
         seen = []
         for names in schedule[rank]:
             result = ctl.cycle([_entry(n, rank) for n in names])
@@ -92,11 +57,7 @@ def _drive(size, schedule, capacity=64):
                 assert entry is not None
         out[rank], ctls[rank] = seen, ctl
 
-    threads = [threading.Thread(target=body, args=(r,)) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    run_in_threads(size, body)
     assert all(o is not None for o in out), "a rank failed"
     return out, ctls, ex
 

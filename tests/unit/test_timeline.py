@@ -15,7 +15,8 @@ from hvdlike.core.tensor_queue import Entry
 from hvdlike.core.timeline import (DEFAULT_MAX_BYTES, MIN_MAX_BYTES, Timeline, _path_for,
                                    check_max_bytes)
 from tests import chrome_trace
-from tests.unit.test_controller import Exchange, FakeControl, _entry
+from tests.unit.fake_ranks import Exchange, FastControl, run_in_threads
+from tests.unit.test_controller import _entry
 
 
 def _work(name, op=OpType.ALLREDUCE):
@@ -161,17 +162,13 @@ def test_cached_agreement_is_annotated_not_marked(tmp_path):
 def test_controller_reports_how_each_response_was_agreed(tmp_path):
     """Two ranks on threads: negotiated, then cached, then on the learned order."""
 
-    class MinControl(FakeControl):
-        def allreduce_min(self, value):
-            return min(self.ex._all(self.rank, value))
-
     size, cycles = 2, 12
     ex = Exchange(size)
     paths = [tmp_path / f"tl-{r}.json" for r in range(size)]
     step = threading.Barrier(size, timeout=10)
 
     def body(rank):
-        ctl = Controller(MinControl(ex, rank), 16)
+        ctl = Controller(FastControl(ex, rank), 16)
         if ctl.coordinator is not None:
             ctl.coordinator.record_arrivals = True
         state = SimpleNamespace(id=0, ranks=[0, 1], controller=ctl)
@@ -190,12 +187,7 @@ def test_controller_reports_how_each_response_was_agreed(tmp_path):
             time.sleep(0.002)  # cycles apart on the clock
         tl.close()
 
-    threads = [threading.Thread(target=body, args=(r,)) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert not any(t.is_alive() for t in threads)
+    run_in_threads(size, body)
 
     coordinator_file = chrome_trace.load(paths[0])
     spans = chrome_trace.on_row(coordinator_file, "w")
