@@ -132,6 +132,14 @@ def effective_settings(config: LaunchConfig) -> core_config.Config:
         LaunchError: an ``HVDLIKE_*``/``HOROVOD_*`` variable holds a bad value.
     """
     try:
-        return core_config.load({**config.environ, **config.knob_env})
+        settings = core_config.load({**config.environ, **config.knob_env})
     except ConfigError as exc:
         raise LaunchError(str(exc)) from None
+    if not config.use_mpi:
+        # MPI planes need ranks started by mpirun: say so before starting any.
+        for field in ("controller", "cpu_operations"):
+            if getattr(settings, field) == "mpi":
+                knob = core_config.KNOBS_BY_FIELD[field]
+                raise LaunchError(f"{knob.env}=mpi ({knob.flag} mpi) needs ranks started by "
+                                  "mpirun (hvdlike-run --mpi)")
+    return settings

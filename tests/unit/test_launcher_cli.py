@@ -104,6 +104,18 @@ def test_bad_knob_in_environment_is_reported_by_name(monkeypatch):
         _config("-np", "1", "python")
 
 
+@pytest.mark.parametrize("argv,needle", [
+    (["--controller", "mpi", "-np", "2", "python"],
+     r"HVDLIKE_CONTROLLER=mpi .*\(hvdlike-run --mpi\)"),
+    (["--cpu-operations", "MPI", "-np", "2", "python"],
+     r"HVDLIKE_CPU_OPERATIONS=mpi .*\(hvdlike-run --mpi\)"),
+])
+def test_mpi_planes_without_mpirun_are_refused_before_launch(argv, needle):
+    with pytest.raises(LaunchError, match=needle):
+        _config(*argv)
+    assert _config("--mpi", *argv).knob_env  # with --mpi the same flags are accepted
+
+
 @pytest.mark.parametrize("argv", [["--bogus", "-np", "2", "python"], ["-np", "two", "python"]])
 def test_parser_errors_are_one_line_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as info:
