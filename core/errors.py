@@ -36,3 +36,17 @@ class DuplicateNameError(HvdlikeError, ValueError):
 
 class StallError(HvdlikeInternalError):
     """Some ranks waited too long for others to submit a collective."""
+
+
+class HostsUpdatedInterrupt(RuntimeError):
+    """Raised by ``state.commit()`` / ``check_host_updates()`` when the launcher
+    published a new set of ranks (hosts added or removed): every rank raises it
+    at the same commit, and the elastic retry loop re-forms the job.
+
+    ``skip_sync`` is True when ranks were only removed: the survivors already
+    hold identical committed state, so the broadcast after the re-form is skipped.
+    """
+
+    def __init__(self, skip_sync: bool = False):
+        super().__init__("the launcher published a new set of ranks")
+        self.skip_sync = skip_sync

@@ -126,8 +126,11 @@ class Runtime:
             generation = _generation
         import torch.distributed as dist
 
+        from .elastic.protocol import store_prefix
+
+        prefix = store_prefix(environ, generation)  # elastic: the launcher's generation
         base = bootstrap.connect_store(topology, rendezvous, cfg.start_timeout)
-        runtime.store = dist.PrefixStore(f"gen{generation}/", base)
+        runtime.store = dist.PrefixStore(prefix, base)
         local_addr = rendezvous.gloo_iface
         if not local_addr:
             local_addr = (bootstrap.local_address_towards(rendezvous.addr, rendezvous.port)
@@ -146,7 +149,7 @@ class Runtime:
                 f"rank(s) (Gloo on {local_addr or 'default interface'}): {exc}") from None
         if topology.size > 1:
             health_store = dist.PrefixStore(
-                f"gen{generation}/", bootstrap.connect_store(topology, rendezvous, cfg.start_timeout))
+                prefix, bootstrap.connect_store(topology, rendezvous, cfg.start_timeout))
             runtime.health = Health(health_store, topology.rank, topology.size,
                                     topology.hostname, cfg, runtime._waiting_since,
                                     runtime._set_fatal, runtime._members)

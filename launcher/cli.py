@@ -50,6 +50,13 @@ Failure
     missing command, unreachable host) ends with a one-line reason and exit
     status 2.
 
+Elastic jobs
+    ``--min-np``, ``--max-np`` or ``--host-discovery-script`` make the job
+    elastic: a failed rank's host is blacklisted and the survivors re-form
+    without it; hosts the script adds (up to ``--max-np``) get new ranks. See
+    docs/elastic.md for ``--slots-per-host``, ``--reset-limit``,
+    ``--elastic-timeout`` and ``--blacklist-cooldown-range``.
+
 Exit status
     0 all ranks succeeded; the failed rank's status; 2 bad input; 130/143
     interrupted.
@@ -141,6 +148,23 @@ def build_parser() -> argparse.ArgumentParser:
     add("--mpi-args", default="", metavar="ARGS",
         help='extra mpirun arguments as one string; write --mpi-args="-x ..." when it starts with -')
     add("--version", action="version", version=f"{PROG} {_version()}")
+    elastic = parser.add_argument_group("elastic jobs (see docs/elastic.md)")
+    elastic.add_argument("--min-np", type=_positive_int, metavar="N",
+                         help="fewest ranks the job runs with (default: -np)")
+    elastic.add_argument("--max-np", type=_positive_int, metavar="N",
+                         help="most ranks the job grows to (default: every usable slot)")
+    elastic.add_argument("--host-discovery-script", metavar="SCRIPT",
+                         help="executable printing one host[:slots] per line; re-run every second")
+    elastic.add_argument("--slots-per-host", type=_positive_int, metavar="N",
+                         help="slots of a discovered host that names none (default 1)")
+    elastic.add_argument("--reset-limit", type=_positive_int, metavar="N",
+                         help="fail once the job would re-form more than N times")
+    elastic.add_argument("--elastic-timeout", type=_seconds, metavar="S",
+                         help="fail after S seconds below --min-np (default 600)")
+    elastic.add_argument("--blacklist-cooldown-range", type=_seconds, nargs=2,
+                         metavar=("LO", "HI"),
+                         help="a failed host may return after a random LO..HI seconds "
+                              "(default: never)")
     knobs = parser.add_argument_group("runtime knobs (each sets the HVDLIKE_* variable shown)")
     for knob in core_config.KNOBS:
         if not knob.flag:
@@ -173,7 +197,9 @@ def to_config(args: argparse.Namespace) -> LaunchConfig:
                    if name.startswith("knob_")}
     config = LaunchConfig(
         command=command,
-        hosts=resolve_hosts(args.hosts, args.hostfile, args.np),
+        hosts=([] if args.host_discovery_script
+               else resolve_hosts(args.hosts, args.hostfile,
+                             args.np if args.np is not None else args.min_np)),
         np=args.np,
         ssh=SshOptions(port=args.ssh_port, identity_file=args.ssh_identity_file,
                        options=list(args.ssh_option)),
@@ -188,6 +214,25 @@ def to_config(args: argparse.Namespace) -> LaunchConfig:
         mpi_args=shlex.split(args.mpi_args),
         remote_python=args.remote_python,
     )
+    from .elastic.launch import is_elastic, settings_from_flags
+
+    if is_elastic(args.min_np, args.max_np, args.host_discovery_script):
+        if args.mpi:
+            raise LaunchError("--mpi cannot run an elastic job (--min-np/--max-np/"
+                              "--host-discovery-script)")
+        if args.host_discovery_script and (args.hosts or args.hostfile):
+            raise LaunchError("--host-discovery-script and -H/--hostfile cannot be used together")
+        config.elastic = settings_from_flags(
+            args.np, args.min_np, args.max_np, args.host_discovery_script, args.slots_per_host,
+            args.reset_limit, args.elastic_timeout, args.blacklist_cooldown_range)
+    else:
+        for flag, value in (("--slots-per-host", args.slots_per_host),
+                            ("--reset-limit", args.reset_limit),
+                            ("--elastic-timeout", args.elastic_timeout),
+                            ("--blacklist-cooldown-range", args.blacklist_cooldown_range)):
+            if value is not None:
+                raise LaunchError(f"{flag} needs an elastic job (--min-np, --max-np or "
+                                  f"--host-discovery-script)")
     config.start_timeout = effective_settings(config).start_timeout
     config.ssh.connect_timeout = min(10.0, config.start_timeout)
     for option in config.ssh.options:
@@ -214,6 +259,10 @@ def execute(config: LaunchConfig) -> int:
 
         np = len(assign_ranks(config.hosts, config.np))
         return run_with_mpirun(config, np, dry_run=config.dry_run, verbose=print)
+    if config.elastic is not None:
+        from .elastic.launch import run_elastic
+
+        return run_elastic(config, config.elastic, _say)
     job = Job(config)
     if config.dry_run:
         print_dry_run(job)

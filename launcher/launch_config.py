@@ -73,6 +73,8 @@ class LaunchConfig:
     """Working directory of every rank."""
     environ: Mapping[str, str] = dataclasses.field(default_factory=lambda: dict(os.environ))
     """The launcher's environment, forwarded to ranks."""
+    elastic: Optional[object] = None
+    """An :class:`~.elastic.settings.ElasticSettings` for an elastic job, else None."""
 
 
 def resolve_hosts(hosts: Optional[str], hostfile: Optional[str], np: Optional[int]) -> List[HostSlots]:

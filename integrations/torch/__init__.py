@@ -21,6 +21,7 @@ from hvdlike.core.process_sets import (
     ProcessSet, add_process_set, global_process_set, remove_process_set,
 )
 
+from . import elastic
 from .compression import Compression
 from .objects import allgather_object, broadcast_object
 from .ops import (

@@ -1,0 +1,57 @@
+"""The retry loop behind ``hvd.elastic.run``.
+
+A lost peer surfaces as ``HorovodInternalError`` from a collective: restore the
+last commit, re-form, sync, call again. New or removed hosts surface as
+:class:`HostsUpdatedInterrupt` from a commit: re-form without restoring (every
+rank is at the same commit). Any other exception is the user's and propagates:
+the process fails with its traceback, and the launcher treats it as a lost rank.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Optional
+
+from hvdlike.core.errors import HorovodInternalError, HostsUpdatedInterrupt
+from hvdlike.core.log import logger
+
+from . import worker as worker_mod
+
+
+def run_fn(func: Callable, reset: Callable[[], None],
+           is_elastic: Optional[Callable[[], bool]] = None) -> Callable:
+    """Wrap ``func(state, *args, **kwargs)`` in the elastic retry loop.
+
+    Args:
+        func: the training function; its first argument is a :class:`State`.
+        reset: leaves the current generation and joins the next (shutdown + init).
+        is_elastic: whether a re-form is possible (default: the launcher runs
+            this job elastically); when not, errors propagate unchanged.
+    """
+    if is_elastic is None:
+        def is_elastic() -> bool:
+            return worker_mod.context().enabled
+
+    @functools.wraps(func)
+    def wrapper(state, *args, **kwargs):
+        skip_sync = False
+        while True:
+            try:
+                if not skip_sync:
+                    state.sync()
+                return func(state, *args, **kwargs)
+            except HorovodInternalError as exc:
+                if not is_elastic():
+                    raise
+                logger.warning("collective failed (%s); restoring the last commit and "
+                               "re-forming", exc)
+                state.restore()
+                skip_sync = False
+            except HostsUpdatedInterrupt as exc:
+                if not is_elastic():
+                    raise
+                skip_sync = exc.skip_sync
+            reset()
+            state.on_reset()
+
+    return wrapper

@@ -1,0 +1,133 @@
+"""State that survives a re-form: committed in memory, restored, broadcast.
+
+``commit()`` = ``save()`` (a copy in host memory) + ``check_host_updates()``.
+After a lost peer, ``restore()`` goes back to the last commit; after a re-form,
+``sync()`` broadcasts the new rank 0's state (rank 0 is always a survivor when
+there is one: the launcher keeps surviving ranks first, in their old order).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable, Dict, List, Optional
+
+from hvdlike.core.errors import HostsUpdatedInterrupt
+
+from . import worker as worker_mod
+
+
+class State:
+    """Base of every elastic state object.
+
+    Args:
+        bcast_object: ``fn(obj, root_rank=0) -> obj``, rank 0's object on every rank.
+        get_rank: ``fn() -> int``, this process's current rank.
+        allgather_object: ``fn(obj) -> list``, every rank's object in rank order.
+    """
+
+    def __init__(self, bcast_object: Callable, get_rank: Callable[[], int],
+                 allgather_object: Optional[Callable] = None):
+        # Set through object.__setattr__ so subclasses that track attribute
+        # assignment (ObjectState) never mistake these for user state.
+        object.__setattr__(self, "_bcast_object", bcast_object)
+        object.__setattr__(self, "_get_rank", get_rank)
+        object.__setattr__(self, "_allgather_object", allgather_object)
+        object.__setattr__(self, "_reset_callbacks", [])
+        object.__setattr__(self, "_worker", None)
+
+    # -- the elastic protocol -------------------------------------------------------
+
+    def register_reset_callbacks(self, callbacks: List[Callable[[], None]]) -> None:
+        """Call each of ``callbacks`` after every re-form (e.g. to rescale the learning rate)."""
+        self._reset_callbacks.extend(callbacks)
+
+    def on_reset(self) -> None:
+        """Called by the retry loop after a re-form, before the state is synced."""
+        self.reset()
+        for callback in self._reset_callbacks:
+            callback()
+
+    def commit(self) -> None:
+        """Save the state, then raise :class:`HostsUpdatedInterrupt` if hosts changed.
+
+        Every rank must commit at the same points (commits are collective).
+        """
+        self.save()
+        self.check_host_updates()
+
+    def check_host_updates(self) -> None:
+        """Raise :class:`HostsUpdatedInterrupt` on every rank if the launcher published
+        a new generation (seen by any rank: the ranks agree on the newest one)."""
+        ctx = self._context()
+        if not ctx.enabled:
+            return
+        latest = ctx.latest()
+        if self._allgather_object is not None:
+            agreed = max(self._allgather_object(latest))
+        else:
+            agreed = self._bcast_object(latest, root_rank=0)
+        if agreed > ctx.generation:
+            raise HostsUpdatedInterrupt(skip_sync=ctx.read(agreed).removed_only)
+
+    def _context(self) -> worker_mod.WorkerContext:
+        return self._worker or worker_mod.context()
+
+    # -- what subclasses provide -----------------------------------------------------
+
+    def save(self) -> None:
+        """Copy the state to host memory."""
+        raise NotImplementedError
+
+    def restore(self) -> None:
+        """Go back to the last saved state."""
+        raise NotImplementedError
+
+    def sync(self) -> None:
+        """Make every rank's state rank 0's."""
+        raise NotImplementedError
+
+    def reset(self) -> None:
+        """Adapt to the new job (size, rank) after a re-form, before :meth:`sync`."""
+
+
+class ObjectState(State):
+    """State made of picklable Python objects, given as keyword arguments.
+
+    Each becomes an attribute; assign to it as usual. ``save()`` deep-copies the
+    attributes, ``restore()`` puts the copies back, ``sync()`` broadcasts rank 0's.
+
+    Example:
+        >>> state = ObjectState(bcast_object, rank, epoch=0, batch=0)
+        >>> state.epoch += 1
+        >>> state.commit()
+    """
+
+    def __init__(self, bcast_object: Callable, get_rank: Callable[[], int],
+                 allgather_object: Optional[Callable] = None, **kwargs: Any):
+        super().__init__(bcast_object, get_rank, allgather_object)
+        object.__setattr__(self, "_saved", copy.deepcopy(kwargs))
+        for name, value in kwargs.items():
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if not name.startswith("_") and name not in self._saved:
+            # An attribute added later is tracked from its first assignment on,
+            # as Horovod's state objects allow.
+            self._saved[name] = copy.deepcopy(value)
+        object.__setattr__(self, name, value)
+
+    def _values(self) -> Dict[str, Any]:
+        return {name: getattr(self, name) for name in self._saved}
+
+    def save(self) -> None:
+        object.__setattr__(self, "_saved", copy.deepcopy(self._values()))
+
+    def restore(self) -> None:
+        for name, value in copy.deepcopy(self._saved).items():
+            object.__setattr__(self, name, value)
+
+    def sync(self) -> None:
+        if self._saved:
+            synced = self._bcast_object(self._saved, root_rank=0)
+            object.__setattr__(self, "_saved", synced)
+            self.restore()

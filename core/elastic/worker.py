@@ -1,0 +1,139 @@
+"""The rank's side of re-rendezvous: notice new generations, re-form into them.
+
+One :class:`WorkerContext` per process (created on first use) keeps its own
+connection to the job's store, separate from the runtime's: the runtime is
+shut down and rebuilt on every re-form, this connection is not.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Callable, MutableMapping, Optional
+
+from hvdlike.core.errors import HvdlikeInternalError
+from hvdlike.core.log import logger
+
+from . import protocol
+
+_POLL_SECONDS = 0.05
+# How long a rank waits for the launcher's next generation when the
+# launcher did not say (it passes its --elastic-timeout plus a margin).
+DEFAULT_WAIT_SECONDS = 660.0
+
+
+class WorkerContext:
+    """This process's membership in an elastic job."""
+
+    def __init__(self, environ: Optional[MutableMapping[str, str]] = None,
+                 connect: Optional[Callable[[], object]] = None):
+        self.environ = os.environ if environ is None else environ
+        self.worker = self.environ.get(protocol.ENV_WORKER, "")
+        self.generation = int(self.environ.get(protocol.ENV_GENERATION, "0") or 0)
+        self.wait_seconds = float(self.environ.get(protocol.ENV_TIMEOUT, DEFAULT_WAIT_SECONDS))
+        self._connect = connect or self._connect_job_store
+        self._store = None
+
+    @property
+    def enabled(self) -> bool:
+        """True when the launcher runs this job elastically."""
+        return bool(self.worker)
+
+    def _connect_job_store(self):
+        from hvdlike.core import bootstrap
+
+        topology, rendezvous = bootstrap.detect(self.environ)
+        return bootstrap.connect_store(topology, rendezvous, 60.0)
+
+    @property
+    def store(self):
+        if self._store is None:
+            self._store = self._connect()
+        return self._store
+
+    def latest(self) -> int:
+        """The newest generation the launcher has published (this one if none newer)."""
+        if not self.enabled:
+            return self.generation
+        if not self.store.check([protocol.LATEST_KEY]):
+            return self.generation
+        return int(self.store.get(protocol.LATEST_KEY).decode())
+
+    def read(self, number: int) -> protocol.Generation:
+        return protocol.Generation.decode(self.store.get(protocol.generation_key(number)))
+
+    def wait_for_newer(self, clock: Callable[[], float] = time.monotonic,
+                       sleep: Callable[[float], None] = time.sleep) -> protocol.Generation:
+        """Block until a generation newer than ours is published; return it.
+
+        Raises:
+            HvdlikeInternalError: none came within the wait (the launcher is gone
+                or could not find enough hosts).
+        """
+        deadline = clock() + self.wait_seconds
+        while True:
+            try:
+                latest = self.latest()
+            except Exception as exc:  # the launcher (and its store) went away
+                raise HvdlikeInternalError(
+                    f"elastic worker {self.worker}: lost the launcher's store while waiting "
+                    f"for a new generation: {exc}") from None
+            if latest > self.generation:
+                return self.read(latest)
+            if clock() > deadline:
+                raise HvdlikeInternalError(
+                    f"elastic worker {self.worker}: no new generation after generation "
+                    f"{self.generation} within {self.wait_seconds:g}s")
+            sleep(_POLL_SECONDS)
+
+    def join(self, generation: protocol.Generation) -> bool:
+        """Take this process's place in ``generation``; False if it is not a member."""
+        topology = generation.topology_of(self.worker)
+        self.generation = generation.number
+        if topology is None:
+            return False
+        self.environ.update(protocol.rank_variables(topology, generation.number))
+        return True
+
+
+_context: Optional[WorkerContext] = None
+_context_lock = threading.Lock()
+
+
+def context() -> WorkerContext:
+    """This process's :class:`WorkerContext` (built on first use)."""
+    global _context
+    with _context_lock:
+        if _context is None:
+            _context = WorkerContext()
+        return _context
+
+
+def reset(init: Callable[[], None], shutdown: Callable[[], None],
+          ctx: Optional[WorkerContext] = None) -> None:
+    """Leave the current generation and join the next one the launcher publishes.
+
+    Shuts the runtime down, waits for a newer generation, re-initializes with the
+    topology given there. A generation that fails to form (a member died while
+    it was forming) is left for the next one. A process the launcher left out
+    of the new generation exits with status 0: its host was removed.
+
+    Raises:
+        HvdlikeInternalError: no newer generation came in time.
+    """
+    ctx = ctx or context()
+    shutdown()
+    while True:
+        generation = ctx.wait_for_newer()
+        if not ctx.join(generation):
+            logger.info("elastic worker %s is not part of generation %d; leaving",
+                        ctx.worker, generation.number)
+            raise SystemExit(0)
+        try:
+            init()
+            return
+        except HvdlikeInternalError as exc:
+            logger.warning("generation %d did not form (%s); waiting for the next one",
+                           generation.number, exc)
+            shutdown()

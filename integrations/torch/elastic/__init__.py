@@ -1,0 +1,55 @@
+"""hvdlike.torch.elastic: Horovod's elastic API on torch.
+
+    import hvdlike.torch as hvd
+
+    @hvd.elastic.run
+    def train(state):
+        for state.epoch in range(state.epoch, epochs):
+            for state.batch, (x, y) in enumerate(loader, start=state.batch):
+                ...
+                state.commit()
+            state.batch = 0
+
+    state = hvd.elastic.TorchState(model=model, optimizer=opt, epoch=0, batch=0)
+    train(state)
+
+Run it with ``hvdlike-run --min-np/--max-np [--host-discovery-script]`` (see
+docs/elastic.md). Under a non-elastic launch the decorator only syncs the state
+once and lets errors through.
+"""
+
+from hvdlike.core import api
+from hvdlike.core.elastic import HorovodInternalError, HostsUpdatedInterrupt, run_fn
+from hvdlike.core.elastic import ObjectState as _ObjectState
+from hvdlike.core.elastic import State
+from hvdlike.core.elastic import worker as _worker
+
+from ..objects import allgather_object, broadcast_object
+from .sampler import ElasticSampler
+from .state import TorchState
+
+
+def _reset() -> None:
+    _worker.reset(api.init, api.shutdown)
+
+
+def run(func):
+    """Decorator: run ``func(state, ...)`` and re-form the job when ranks come or go.
+
+    On ``HorovodInternalError`` (a lost peer) the last commit is restored; on
+    ``HostsUpdatedInterrupt`` the state is kept. Either way the runtime is
+    re-initialized with the launcher's next generation, rank 0's state is
+    broadcast, and ``func`` is called again. Other exceptions propagate.
+    """
+    return run_fn(func, _reset)
+
+
+class ObjectState(_ObjectState):
+    """Elastic state of plain Python objects (keyword arguments become attributes)."""
+
+    def __init__(self, bcast_object=broadcast_object, get_rank=api.rank, **kwargs):
+        super().__init__(bcast_object, get_rank, allgather_object, **kwargs)
+
+
+__all__ = ["ElasticSampler", "HorovodInternalError", "HostsUpdatedInterrupt", "ObjectState",
+           "State", "TorchState", "run"]

@@ -1,0 +1,168 @@
+"""TorchState: a model, an optimizer, samplers and plain objects, elastic."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Dict
+
+import torch
+
+from hvdlike.core import api
+from hvdlike.core.elastic import ObjectState
+
+from ..functions import broadcast_optimizer_state, broadcast_parameters
+from ..objects import allgather_object, broadcast_object
+from .sampler import ElasticSampler
+
+
+class _Handler:
+    """Save / restore / sync of one framework object held by the state."""
+
+    def __init__(self, value):
+        self.value = value
+        self.save()
+
+    def save(self) -> None:
+        raise NotImplementedError
+
+    def restore(self) -> None:
+        raise NotImplementedError
+
+    def sync(self) -> None:
+        raise NotImplementedError
+
+    def reset(self) -> None:
+        pass
+
+
+class _ModelHandler(_Handler):
+    def save(self) -> None:
+        self._saved = {k: v.detach().clone() for k, v in self.value.state_dict().items()}
+
+    def restore(self) -> None:
+        self.value.load_state_dict(self._saved)
+
+    def sync(self) -> None:
+        broadcast_parameters(self.value.state_dict(), root_rank=0)
+
+
+class _OptimizerHandler(_Handler):
+    def save(self) -> None:
+        self._saved = copy.deepcopy(self.value.state_dict())
+
+    def restore(self) -> None:
+        _forget_pending_reduction(self.value)
+        self.value.load_state_dict(copy.deepcopy(self._saved))
+
+    def sync(self) -> None:
+        _forget_pending_reduction(self.value)
+        broadcast_optimizer_state(self.value, root_rank=0)
+
+
+def _forget_pending_reduction(optimizer) -> None:
+    """Drop a DistributedOptimizer's gradient reduction cut short by a lost peer.
+
+    Its handles belong to the runtime that failed; the retried step starts a new
+    round on the new runtime.
+    """
+    if getattr(optimizer, "_hvd_handles", None):
+        optimizer._hvd_handles = {}
+    if hasattr(optimizer, "_hvd_reset_buckets"):
+        optimizer._hvd_reset_buckets()
+        optimizer._hvd_passes = {}
+        optimizer._hvd_group_ready = {}
+        optimizer._hvd_round_open = False
+
+
+class _SamplerHandler(_Handler):
+    def save(self) -> None:
+        self._saved = self.value.state_dict()
+
+    def restore(self) -> None:
+        self.value.load_state_dict(self._saved)
+
+    def sync(self) -> None:
+        # Rank 0's epoch; the processed indices of every rank in that epoch.
+        mine = self.value.state_dict()
+        everyone = allgather_object(mine)
+        epoch = everyone[0]["epoch"]
+        processed = set()
+        for state in everyone:
+            if state["epoch"] == epoch:
+                processed.update(state["processed_indices"])
+        self.value.load_state_dict({"epoch": epoch, "processed_indices": sorted(processed)})
+
+    def reset(self) -> None:
+        self.value.reset()
+
+
+def _handler_for(value):
+    if isinstance(value, torch.nn.Module):
+        return _ModelHandler(value)
+    if isinstance(value, torch.optim.Optimizer):
+        return _OptimizerHandler(value)
+    if isinstance(value, ElasticSampler):
+        return _SamplerHandler(value)
+    return None
+
+
+class TorchState(ObjectState):
+    """Elastic state of a torch training loop.
+
+    ``model`` and ``optimizer`` (and any keyword argument that is a module,
+    optimizer or :class:`ElasticSampler`) are saved as state dicts and
+    broadcast with ``broadcast_parameters`` / ``broadcast_optimizer_state``;
+    every other keyword argument is a plain attribute as in :class:`ObjectState`.
+
+    Example:
+        >>> state = hvd.elastic.TorchState(model=model, optimizer=opt, epoch=0, batch=0)
+    """
+
+    def __init__(self, model=None, optimizer=None, **kwargs: Any):
+        kwargs.update(model=model, optimizer=optimizer)
+        handlers: Dict[str, _Handler] = {}
+        plain: Dict[str, Any] = {}
+        for name, value in kwargs.items():
+            handler = _handler_for(value)
+            if handler is not None:
+                handlers[name] = handler
+            elif name not in ("model", "optimizer") or value is not None:
+                plain[name] = value
+        object.__setattr__(self, "_handlers", handlers)
+        for name, handler in handlers.items():
+            object.__setattr__(self, name, handler.value)
+        if model is None:
+            object.__setattr__(self, "model", None)
+        if optimizer is None:
+            object.__setattr__(self, "optimizer", None)
+        super().__init__(broadcast_object, api.rank, allgather_object, **plain)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        handlers = self.__dict__.get("_handlers", {})
+        if name in handlers:
+            handlers[name] = _handler_for(value) or handlers[name]
+            object.__setattr__(self, name, value)
+            return
+        super().__setattr__(name, value)
+
+    def save(self) -> None:
+        for handler in self._handlers.values():
+            handler.save()
+        super().save()
+
+    def restore(self) -> None:
+        for handler in self._handlers.values():
+            handler.restore()
+        super().restore()
+
+    def sync(self) -> None:
+        for handler in self._handlers.values():
+            handler.sync()
+        super().sync()
+        # What every rank now holds is the committed state of the new job.
+        for handler in self._handlers.values():
+            handler.save()
+
+    def reset(self) -> None:
+        for handler in self._handlers.values():
+            handler.reset()

@@ -1,0 +1,352 @@
+"""Running an elastic job: generations of rank processes that shrink and grow.
+
+The driver owns the rank processes (the same :class:`~..monitor.Worker` as a
+static job), the host table and the generation counter. It publishes each
+generation through the job's store (:mod:`hvdlike.core.elastic.protocol`) and
+re-forms the job when
+
+* a rank process fails (non-zero exit or death): its host is blacklisted and
+  its surviving peers meet again without it;
+* discovery adds usable slots while the job is below ``--max-np``, or removes a
+  host that runs ranks.
+
+Failures arriving close together are gathered into one re-form
+(``SETTLE_SECONDS``). Fewer usable slots than ``--min-np`` for longer than
+``--elastic-timeout``, more re-forms than ``--reset-limit``, or every host
+blacklisted for good ends the job with a message that says which, followed by
+every rank that was lost and why. The job succeeds once a rank of the current
+generation exits 0 and every other process has ended.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import queue
+import signal
+import threading
+import time
+from typing import Callable, Dict, List, Optional
+
+from hvdlike.core.elastic import protocol
+
+from ..monitor import Output, Worker, WorkerState, _Interrupts, describe_exit
+from ..rendezvous import is_local
+from ..ssh_exec import start_delay
+from .assignment import Member, Slot, assign, placements
+from .discovery import LastGood
+from .host_table import HostTable
+from .settings import ElasticSettings
+
+SETTLE_SECONDS = 0.5
+# A process left out of a generation leaves by itself at its next re-form;
+# one still running this long afterwards is stopped.
+REMOVED_GRACE_SECONDS = 30.0
+WAIT_MARGIN_SECONDS = 60.0
+
+
+@dataclasses.dataclass
+class Lost:
+    """A rank process that failed."""
+
+    rank: int
+    worker: str
+    host: str
+    reason: str
+    generation: int
+
+
+@dataclasses.dataclass
+class ElasticResult:
+    exit_code: int
+    message: str = ""
+    interrupted: Optional[str] = None
+    lost: List[Lost] = dataclasses.field(default_factory=list)
+    generations: int = 0
+    sizes: List[int] = dataclasses.field(default_factory=list)
+
+    def summary(self) -> str:
+        lines = [self.message] if self.message else []
+        for item in self.lost:
+            lines.append(f"lost rank {item.rank} (generation {item.generation}) on host "
+                         f"{item.host}: {item.reason}")
+        return "\n".join(lines)
+
+
+class ElasticDriver:
+    """Runs one elastic job.
+
+    Args:
+        job: a prepared (entered) :class:`~..job.Job`: command, store, rank specs.
+        settings: the elastic flags.
+        discovery: the host source (first result already taken by the caller is fine).
+        clock: monotonic clock (a seam for tests).
+    """
+
+    def __init__(self, job, settings: ElasticSettings, discovery: LastGood,
+                 clock: Callable[[], float] = time.monotonic):
+        self.job = job
+        self.settings = settings
+        self.discovery = discovery
+        self.clock = clock
+        self.output: Output = job.output
+        self.table = HostTable(settings.cooldown_range)
+        self.store = job.store.client()
+        self.generation = 0
+        self.members: List[Member] = []
+        self.workers: Dict[str, Worker] = {}
+        self.live: Dict[str, Worker] = {}
+        self.result = ElasticResult(exit_code=0)
+        self._ids = (f"w{n}" for n in itertools.count())
+        self._events: "queue.Queue" = queue.Queue()
+        self._reform_at: Optional[float] = None
+        self._below_since: Optional[float] = None
+        self._finishing = False
+        self._removed_at: Dict[str, float] = {}
+        self._stop_discovery = threading.Event()
+
+    # -- the loop --------------------------------------------------------------------
+
+    def run(self) -> ElasticResult:
+        self.table.update(self.discovery.hosts if self.discovery.hosts is not None
+                          else self.discovery.find())
+        self._reform_at = self.clock()
+        poller = threading.Thread(target=self._poll_discovery, daemon=True,
+                                  name="hvdlike-run discovery")
+        with _Interrupts(self._events):
+            poller.start()
+            try:
+                self._loop()
+            finally:
+                self._stop_discovery.set()
+                self._stop_everything()
+        return self.result
+
+    def _loop(self) -> None:
+        interrupts = 0
+        while True:
+            try:
+                event = self._events.get(timeout=0.1)
+            except queue.Empty:
+                event = None
+            if event is not None and event[0] == "signal":
+                interrupts += 1
+                name = signal.Signals(event[1]).name
+                if self.result.interrupted is None:
+                    self.result.interrupted = name
+                    self.result.exit_code = 128 + event[1]
+                self._stop_all(f"received {name}")
+                if interrupts > 1:
+                    for w in self.live.values():
+                        w.kill()
+            elif event is not None and event[0] == "exit":
+                self._exited(event[1], event[2])
+            elif event is not None and event[0] == "hosts":
+                if self.table.update(event[1]) and self._hosts_matter():
+                    self._schedule_reform()
+            if self.result.interrupted is None and not self._finishing and self.result.exit_code == 0:
+                self._check_progress()
+            self._stop_removed()
+            if not self.live and (self._finishing or self.result.interrupted
+                                  or self.result.exit_code != 0):
+                break
+
+    def _check_progress(self) -> None:
+        now = self.clock()
+        if self._reform_at is not None and now >= self._reform_at:
+            self._reform()
+        if self._below_since is not None:
+            if self.table.hopeless(now):
+                self._fail("every host is blacklisted: no rank can run")
+            elif now - self._below_since > self.settings.elastic_timeout:
+                have = len(self._usable_members())
+                self._fail(f"fewer than --min-np {self.settings.min_np} slots usable "
+                           f"({have}) for more than --elastic-timeout "
+                           f"{self.settings.elastic_timeout:g}s")
+
+    # -- events ----------------------------------------------------------------------
+
+    def _exited(self, worker_id: str, code: int) -> None:
+        worker = self.live.pop(worker_id, None)
+        if worker is None:
+            return
+        worker.exit_code = code
+        member = worker_id in {m.worker for m in self.members}
+        if not member:  # left out of the current generation: expected to leave
+            worker.state = WorkerState.STOPPED
+            return
+        if code == 0:
+            worker.state = WorkerState.SUCCEEDED
+            self._finishing = True
+            return
+        worker.state = WorkerState.FAILED
+        if worker.stop_requested_at is not None:
+            worker.state = WorkerState.STOPPED
+            return
+        reason = describe_exit(code, worker.remote)
+        self.result.lost.append(Lost(worker.rank, worker_id, worker.host, reason, self.generation))
+        if self._finishing or self.result.interrupted:
+            return
+        until = self.table.blacklist(worker.host, self.clock())
+        back = "for the rest of the job" if until is None else \
+            f"for {until - self.clock():.0f}s"
+        self.output.note(f"rank {worker.rank} on host {worker.host} {reason}; host "
+                         f"{worker.host} blacklisted {back}; re-forming")
+        self._schedule_reform()
+
+    def _hosts_matter(self) -> bool:
+        """Whether the new host list calls for a re-form."""
+        now = self.clock()
+        usable = {Slot(h.host, i) for h in self.table.available(now) for i in range(h.slots)}
+        if any(m.slot not in usable for m in self.members):
+            return True
+        return len(self.members) < self.settings.max_np and len(usable) > len(self.members)
+
+    def _schedule_reform(self) -> None:
+        if self._reform_at is None:
+            self._reform_at = self.clock() + SETTLE_SECONDS
+
+    def _poll_discovery(self) -> None:
+        while not self._stop_discovery.wait(self.settings.discovery_interval):
+            try:
+                hosts = self.discovery.find()
+            except Exception as exc:  # LastGood only raises on the first run
+                self.output.note(f"host discovery failed: {exc}")
+                continue
+            self._events.put(("hosts", hosts))
+
+    # -- generations -------------------------------------------------------------------
+
+    def _usable_members(self) -> List[Member]:
+        survivors = [(m.worker, m.slot) for m in self.members if m.worker in self.live]
+        return assign(survivors, self.table.available(self.clock()), self.settings.max_np,
+                      iter(lambda: "new", None))
+
+    def _reform(self) -> None:
+        now = self.clock()
+        survivors = [(m.worker, m.slot) for m in self.members if m.worker in self.live]
+        target = self.settings.np if self.generation == 0 else self.settings.max_np
+        members = assign(survivors, self.table.available(now), target, self._ids)
+        if len(members) < self.settings.min_np:
+            if self._below_since is None:
+                self._below_since = now
+                self.output.note(f"{len(members)} slot(s) usable, fewer than --min-np "
+                                 f"{self.settings.min_np}; waiting up to "
+                                 f"{self.settings.elastic_timeout:g}s for more hosts")
+            self._reform_at = now + 1.0  # look again with the next discovery
+            return
+        limit = self.settings.reset_limit
+        if self.generation >= 1 and limit is not None and self.generation - 1 >= limit:
+            self._fail(f"the job would re-form more than --reset-limit {limit} time(s)")
+            return
+        self._below_since = None
+        self._reform_at = None
+        previous = {m.worker for m in self.members}
+        self._publish(members, removed_only=not any(m.new for m in members))
+        for worker_id in previous - {m.worker for m in members}:
+            self._removed_at.setdefault(worker_id, now)
+
+    def _publish(self, members: List[Member], removed_only: bool) -> None:
+        self.generation += 1
+        number = self.generation
+        places = placements(members)
+        table = {}
+        for m in members:
+            topo = places[m.worker].topology
+            table[m.worker] = {field: getattr(topo, field) for field in protocol.TOPOLOGY_FIELDS}
+        generation = protocol.Generation(number, table, removed_only)
+        self.store.set(protocol.generation_key(number), generation.encode())
+        self.members = members
+        started = []
+        for m in members:
+            placement = places[m.worker]
+            if m.new:
+                started.append(self._start(m.worker, placement, number))
+            else:
+                self.workers[m.worker].placement = placement  # output prefix: the new rank
+        self.store.set(protocol.LATEST_KEY, str(number).encode())
+        self.result.generations = number
+        self.result.sizes.append(len(members))
+        hosts = ", ".join(f"{h}:{sum(1 for m in members if m.slot.host == h)}"
+                          for h in dict.fromkeys(m.slot.host for m in members))
+        self.output.note(f"generation {number}: {len(members)} rank(s) on {hosts}"
+                         + (f" ({len(started)} new)" if number > 1 and started else ""))
+
+    def _start(self, worker_id: str, placement, number: int) -> Worker:
+        job = self.job
+        if placement.host not in job.local:
+            job.local[placement.host] = is_local(placement.host)
+        addr, port = job.store.endpoint()
+        spec = job.rank_spec(placement, addr, port)
+        spec["env"].update({
+            protocol.ENV_WORKER: worker_id,
+            protocol.ENV_GENERATION: str(number),
+            protocol.ENV_TIMEOUT: str(self.settings.elastic_timeout + WAIT_MARGIN_SECONDS),
+        })
+        worker = Worker(placement, job.launch_argv(placement), spec,
+                        remote=not job.local[placement.host], output=self.output,
+                        log_dir=job.config.output_dir)
+        self.workers[worker_id] = worker
+        if worker.remote:
+            time.sleep(start_delay(placement.topology.local_rank))
+        try:
+            worker.start()
+        except OSError as exc:
+            worker.state, worker.exit_code = WorkerState.FAILED, 127
+            worker.stderr_tail.append(f"cannot start {worker.argv[0]}: {exc.strerror or exc}")
+            self.live[worker_id] = worker
+            self._events.put(("exit", worker_id, 127))
+            return worker
+        self.live[worker_id] = worker
+
+        def wait() -> None:
+            self._events.put(("exit", worker_id, worker.wait()))
+
+        threading.Thread(target=wait, daemon=True, name=f"hvdlike-run wait {worker_id}").start()
+        return worker
+
+    # -- stopping ----------------------------------------------------------------------
+
+    def _fail(self, message: str) -> None:
+        self.result.message = message
+        self.result.exit_code = 1
+        self._stop_all(message)
+
+    def _stop_all(self, reason: str) -> None:
+        running = [w for w in self.live.values() if w.state is WorkerState.RUNNING]
+        if running and self._stopping_since is None:
+            self.output.note(f"{reason}; stopping {len(running)} rank(s)")
+        if self._stopping_since is None:
+            self._stopping_since = self.clock()
+        for w in running:
+            w.request_stop()
+
+    _stopping_since: Optional[float] = None
+
+    def _stop_removed(self) -> None:
+        now = self.clock()
+        for worker_id, since in list(self._removed_at.items()):
+            worker = self.live.get(worker_id)
+            if worker is None:
+                del self._removed_at[worker_id]
+            elif now - since > REMOVED_GRACE_SECONDS:
+                worker.request_stop()
+        if self._stopping_since is not None and \
+                now - self._stopping_since > self.job.config.grace_seconds + 10:
+            for w in self.live.values():
+                w.kill()
+
+    def _stop_everything(self) -> None:
+        """On the way out (normally nothing is left): stop, then kill what remains."""
+        for w in self.live.values():
+            w.request_stop()
+        deadline = time.monotonic() + self.job.config.grace_seconds + 5
+        while self.live and time.monotonic() < deadline:
+            try:
+                event = self._events.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            if event[0] == "exit":
+                self.live.pop(event[1], None)
+        for w in self.live.values():
+            w.kill()

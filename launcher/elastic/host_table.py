@@ -1,0 +1,66 @@
+"""Which discovered hosts an elastic job may use now: discovery minus the blacklist.
+
+A host on which a rank failed is blacklisted. Without a cooldown range it stays
+out for the rest of the job; with ``--blacklist-cooldown-range LO HI`` it
+returns after a random delay drawn from [LO, HI] seconds, doubled for each
+earlier failure of the same host (capped at 2**5 times), so a flapping host is
+tried less and less often. Pure bookkeeping: the clock and the random draw are
+passed in.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Callable, Dict, List, Optional, Tuple
+
+from ..hosts import HostSlots
+
+_MAX_DOUBLINGS = 5
+
+
+class HostTable:
+    """Discovered hosts, in discovery order, and the blacklist."""
+
+    def __init__(self, cooldown_range: Optional[Tuple[float, float]] = None,
+                 draw: Callable[[float, float], float] = random.uniform):
+        self.cooldown_range = cooldown_range
+        self._draw = draw
+        self.discovered: List[HostSlots] = []
+        self._until: Dict[str, Optional[float]] = {}  # host -> back at (None: never)
+        self._failures: Dict[str, int] = {}
+
+    def update(self, hosts: List[HostSlots]) -> bool:
+        """Take a new discovery result; True when it differs from the previous one."""
+        changed = hosts != self.discovered
+        self.discovered = list(hosts)
+        return changed
+
+    def blacklist(self, host: str, now: float) -> Optional[float]:
+        """Keep ``host`` out; return when it may come back (None: never)."""
+        count = self._failures.get(host, 0)
+        self._failures[host] = count + 1
+        if self.cooldown_range is None:
+            self._until[host] = None
+        else:
+            lo, hi = self.cooldown_range
+            self._until[host] = now + self._draw(lo, hi) * 2 ** min(count, _MAX_DOUBLINGS)
+        return self._until[host]
+
+    def blacklisted(self, host: str, now: float) -> bool:
+        if host not in self._until:
+            return False
+        until = self._until[host]
+        if until is not None and now >= until:
+            del self._until[host]
+            return False
+        return True
+
+    def available(self, now: float) -> List[HostSlots]:
+        """Discovered hosts not blacklisted at ``now``, in discovery order."""
+        return [h for h in self.discovered if not self.blacklisted(h.host, now)]
+
+    def hopeless(self, now: float) -> bool:
+        """True when nothing is usable now and no blacklisted host will come back."""
+        if self.available(now):
+            return False
+        return all(self._until.get(h.host) is None for h in self.discovered)

@@ -1,0 +1,87 @@
+"""An elastic training job the e2e tests drive (not a test module).
+
+E epochs x B batches of a tiny regression under ``hvd.elastic.run``, a commit
+after every batch. Each rank prints, per generation it trains in,
+``GEN worker=.. rank=.. size=.. steps=..`` and at the end
+``DONE worker=.. rank=.. size=.. steps=.. params=<checksum>``.
+
+Faults, one-shot, from ``ELASTIC_FAULTS`` (comma separated
+``WORKER:STEP:KIND``): when the worker reaches STEP committed steps it raises
+(``raise``) or SIGKILLs itself (``kill``). ``ELASTIC_STEP_SECONDS`` slows every
+step; ``ELASTIC_PROGRESS`` names a file the rank 0 writes its step count to.
+"""
+
+import os
+import signal
+import sys
+
+import torch
+
+import hvdlike.torch as hvd
+
+EPOCHS = int(os.environ.get("ELASTIC_EPOCHS", "3"))
+BATCHES = int(os.environ.get("ELASTIC_BATCHES", "8"))
+STEP_SECONDS = float(os.environ.get("ELASTIC_STEP_SECONDS", "0.05"))
+WORKER = os.environ.get("HVDLIKE_ELASTIC_WORKER", "static")
+FAULTS = {}
+for spec in filter(None, os.environ.get("ELASTIC_FAULTS", "").split(",")):
+    worker, step, kind = spec.split(":")
+    FAULTS.setdefault(worker, []).append((int(step), kind))
+
+torch.set_num_threads(1)
+hvd.init()
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 1)
+optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                     named_parameters=model.named_parameters())
+dataset = list(range(BATCHES * 4))
+sampler = hvd.elastic.ElasticSampler(dataset, shuffle=True, seed=1)
+
+
+def say(text):
+    print(text, flush=True)
+
+
+def inject(steps):
+    for step, kind in FAULTS.get(WORKER, []):
+        if steps == step:
+            if kind == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise RuntimeError(f"injected failure of {WORKER} at step {steps}")
+
+
+@hvd.elastic.run
+def train(state):
+    say(f"GEN worker={WORKER} rank={hvd.rank()} size={hvd.size()} steps={state.steps}")
+    while state.epoch < EPOCHS:
+        while state.batch < BATCHES:
+            inject(state.steps)
+            g = torch.Generator().manual_seed(1000 * state.epoch + state.batch)
+            x = torch.randn(8, 4, generator=g) + hvd.rank()  # each rank's own shard
+            y = x.sum(dim=1, keepdim=True)
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+            if STEP_SECONDS:
+                import time
+                time.sleep(STEP_SECONDS)
+            state.steps += 1
+            state.batch += 1
+            state.commit()
+            if hvd.rank() == 0 and os.environ.get("ELASTIC_PROGRESS"):
+                with open(os.environ["ELASTIC_PROGRESS"], "w") as f:
+                    f.write(f"{state.steps} {hvd.size()}\n")
+        state.batch = 0
+        state.epoch += 1
+        state.sampler.set_epoch(state.epoch)
+        state.commit()
+
+
+state = hvd.elastic.TorchState(model=model, optimizer=optimizer, sampler=sampler,
+                               epoch=0, batch=0, steps=0)
+state.register_reset_callbacks([lambda: say(f"RESET worker={WORKER} size={hvd.size()}")])
+train(state)
+flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+say(f"DONE worker={WORKER} rank={hvd.rank()} size={hvd.size()} steps={state.steps} "
+    f"params={','.join(f'{v:.6f}' for v in flat.tolist())}")
+sys.stdout.flush()

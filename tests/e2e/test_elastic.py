@@ -1,0 +1,154 @@
+"""Elastic jobs through the real hvdlike-run on this machine.
+
+Distinct loopback addresses (127.0.0.1, 127.0.0.2) stand for distinct hosts:
+the launcher runs them locally, but blacklists, assigns and reports them as
+separate hosts. Every job trains EPOCHS x BATCHES steps of tests/e2e/elastic_train.py
+with a commit per step; the assertions are on the sizes each rank trained at,
+the committed step count at the end and the final parameters of every rank.
+"""
+
+import os
+import re
+import sys
+import time
+
+from .conftest import ROOT, finish, kill_session, launcher_env, run, start
+
+TRAIN = os.path.join(ROOT, "tests", "e2e", "elastic_train.py")
+EPOCHS, BATCHES = 3, 8
+
+
+def _env(**extra):
+    settings = {"HVDLIKE_GLOO_TIMEOUT_SECONDS": "10", "ELASTIC_EPOCHS": str(EPOCHS),
+                "ELASTIC_BATCHES": str(BATCHES), **extra}
+    return launcher_env(**settings)
+
+
+def _done(out):
+    """{worker: (rank, size, steps, params)} from the DONE lines."""
+    found = {}
+    for m in re.finditer(r"DONE worker=(\w+) rank=(\d+) size=(\d+) steps=(\d+) params=(\S+)", out):
+        found[m.group(1)] = (int(m.group(2)), int(m.group(3)), int(m.group(4)), m.group(5))
+    return found
+
+
+def _trained_sizes(out, worker):
+    return [int(s) for s in re.findall(rf"GEN worker={worker} rank=\d+ size=(\d+)", out)]
+
+
+def _assert_finished(out, workers, size):
+    done = _done(out)
+    assert sorted(done) == sorted(workers), out
+    assert sorted(rank for rank, _, _, _ in done.values()) == list(range(size))
+    assert {s for _, s, _, _ in done.values()} == {size}
+    assert {steps for _, _, steps, _ in done.values()} == {EPOCHS * BATCHES}, out
+    assert len({params for _, _, _, params in done.values()}) == 1, out
+
+
+def test_rank_raising_shrinks_the_job_from_4_to_2(marker):
+    code, out, err, _ = run(
+        ["-np", "4", "--min-np", "2", "--max-np", "4", "--reset-limit", "1",
+         "-H", "127.0.0.1:2,127.0.0.2:2", sys.executable, TRAIN, str(marker)],
+        timeout=180, env=_env(ELASTIC_FAULTS="w3:5:raise"))
+    assert code == 0, err
+    _assert_finished(out, ["w0", "w1"], 2)
+    assert _trained_sizes(out, "w0") == [4, 2]
+    assert "sizes 4 -> 2" in err
+    assert "lost rank 3 (generation 1) on host 127.0.0.2: exited with code 1" in err
+    assert "injected failure of w3 at step 5" in err
+
+
+def test_rank_sigkilled_shrinks_the_job_from_3_to_2(marker):
+    code, out, err, _ = run(
+        ["-np", "3", "--min-np", "2", "-H", "127.0.0.1:2,127.0.0.2:1",
+         sys.executable, TRAIN, str(marker)],
+        timeout=180, env=_env(ELASTIC_FAULTS="w2:4:kill"))
+    assert code == 0, err
+    _assert_finished(out, ["w0", "w1"], 2)
+    assert _trained_sizes(out, "w1") == [3, 2]
+    assert "lost rank 2 (generation 1) on host 127.0.0.2: was killed by signal 9 (SIGKILL)" in err
+
+
+def test_every_rank_failing_fails_the_job(marker):
+    code, out, err, _ = run(
+        ["-np", "2", "--min-np", "1", "-H", "127.0.0.1:1,127.0.0.2:1",
+         sys.executable, TRAIN, str(marker)],
+        timeout=120, env=_env(ELASTIC_FAULTS="w0:2:raise,w1:2:raise"))
+    assert code != 0
+    assert "every host is blacklisted" in err, err
+    assert "lost rank 0" in err and "lost rank 1" in err
+
+
+def test_below_min_np_past_the_timeout_fails_the_job(marker):
+    code, out, err, took = run(
+        ["-np", "2", "--min-np", "2", "--elastic-timeout", "3", "--blacklist-cooldown-range",
+         "300", "400", "-H", "127.0.0.1:1,127.0.0.2:1", sys.executable, TRAIN, str(marker)],
+        timeout=120, env=_env(ELASTIC_FAULTS="w1:3:raise"))
+    assert code != 0
+    assert "fewer than --min-np 2 slots usable (1) for more than --elastic-timeout 3s" in err, err
+    assert "lost rank 1 (generation 1) on host 127.0.0.2" in err
+
+
+def test_reset_limit_exceeded_fails_the_job(marker):
+    code, out, err, _ = run(
+        ["-np", "3", "--min-np", "1", "--reset-limit", "0", "-H", "127.0.0.1:2,127.0.0.2:1",
+         sys.executable, TRAIN, str(marker)],
+        timeout=120, env=_env(ELASTIC_FAULTS="w2:3:raise"))
+    assert code != 0
+    assert "the job would re-form more than --reset-limit 0 time(s)" in err, err
+
+
+def test_hosts_added_then_removed_grow_and_shrink_the_job(marker):
+    hosts = marker / "hosts.txt"
+    hosts.write_text("127.0.0.1:2\n")
+    script = marker / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    script.chmod(0o755)
+    progress = marker / "progress"
+    proc = start(["-np", "2", "--min-np", "2", "--max-np", "4", "--host-discovery-script",
+                  str(script), sys.executable, TRAIN, str(marker)],
+                 env=_env(ELASTIC_STEP_SECONDS="0.25", ELASTIC_BATCHES="10",
+                          ELASTIC_PROGRESS=str(progress)))
+    try:
+        _wait_progress(progress, lambda steps, size: steps >= 3, proc)
+        hosts.write_text("127.0.0.1:2\n127.0.0.2:2\n")
+        _wait_progress(progress, lambda steps, size: size == 4 and steps >= 14, proc)
+        hosts.write_text("127.0.0.1:2\n")
+        code, out, err = finish(proc, timeout=180)
+    finally:
+        kill_session(proc.pid)
+    assert code == 0, err
+    done = _done(out)
+    assert sorted(done) == ["w0", "w1"], out
+    assert {steps for _, _, steps, _ in done.values()} == {EPOCHS * 10}, out
+    assert len({params for _, _, _, params in done.values()}) == 1
+    assert _trained_sizes(out, "w0") == [2, 4, 2], out
+    assert _trained_sizes(out, "w2") == [4] and _trained_sizes(out, "w3") == [4], out
+    assert "sizes 2 -> 4 -> 2" in err
+
+
+def _wait_progress(path, condition, proc, timeout=150):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"the job ended early: {proc.communicate()}")
+        try:
+            steps, size = map(int, path.read_text().split())
+        except (OSError, ValueError):
+            steps, size = 0, 0
+        if condition(steps, size):
+            return
+        time.sleep(0.1)
+    raise AssertionError("the job made no progress in time")
+
+
+def test_failing_discovery_script_is_a_one_line_error(marker):
+    script = marker / "discover.sh"
+    script.write_text("#!/bin/sh\necho 'cannot reach the scheduler' >&2\nexit 4\n")
+    script.chmod(0o755)
+    code, out, err, _ = run(["-np", "2", "--host-discovery-script", str(script),
+                             sys.executable, TRAIN, str(marker)], timeout=30, env=_env())
+    assert code == 2
+    assert err.strip().splitlines() == [
+        f"hvdlike-run: error: host discovery script '{script}' exited with code 4: "
+        f"cannot reach the scheduler"]

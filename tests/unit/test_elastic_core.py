@@ -1,0 +1,203 @@
+"""The framework-neutral elastic core and the torch sampler, without processes."""
+
+import pytest
+
+from hvdlike.core.elastic import ObjectState, run_fn
+from hvdlike.core.elastic import protocol
+from hvdlike.core.elastic.worker import WorkerContext, reset
+from hvdlike.core.errors import HorovodInternalError, HostsUpdatedInterrupt
+
+
+class FakeStore:
+    def __init__(self):
+        self.data = {}
+
+    def set(self, key, value):
+        self.data[key] = value if isinstance(value, bytes) else value.encode()
+
+    def get(self, key):
+        return self.data[key]
+
+    def check(self, keys):
+        return all(k in self.data for k in keys)
+
+
+def _publish(store, number, members, removed_only=False):
+    table = {w: {"rank": r, "size": len(members), "local_rank": r, "local_size": len(members),
+                 "cross_rank": 0, "cross_size": 1, "hostname": "h"}
+             for r, w in enumerate(members)}
+    store.set(protocol.generation_key(number),
+              protocol.Generation(number, table, removed_only).encode())
+    store.set(protocol.LATEST_KEY, str(number))
+
+
+def _context(store, worker="w1", generation=1):
+    env = {protocol.ENV_WORKER: worker, protocol.ENV_GENERATION: str(generation),
+           protocol.ENV_TIMEOUT: "5"}
+    return WorkerContext(env, connect=lambda: store), env
+
+
+def _state(ctx, **kwargs):
+    state = ObjectState(lambda obj, root_rank=0: obj, lambda: 0, lambda obj: [obj], **kwargs)
+    object.__setattr__(state, "_worker", ctx)
+    return state
+
+
+def test_object_state_commit_restore():
+    ctx, _ = _context(FakeStore())
+    state = _state(ctx, epoch=0, items=[1])
+    state.epoch = 3
+    state.items.append(2)
+    state.commit()
+    state.epoch = 4
+    state.items.append(3)
+    state.restore()
+    assert (state.epoch, state.items) == (3, [1, 2])
+    state.late = "x"  # attributes added later are tracked too
+    state.save()
+    state.late = "y"
+    state.restore()
+    assert state.late == "x"
+
+
+def test_commit_raises_hosts_updated_once_a_newer_generation_is_published():
+    store = FakeStore()
+    _publish(store, 1, ["w0", "w1"])
+    ctx, _ = _context(store)
+    state = _state(ctx, step=0)
+    state.commit()  # nothing new
+    _publish(store, 2, ["w0"], removed_only=True)
+    with pytest.raises(HostsUpdatedInterrupt) as info:
+        state.commit()
+    assert info.value.skip_sync is True
+
+
+def test_reset_joins_the_next_generation_and_sets_the_topology():
+    store = FakeStore()
+    _publish(store, 1, ["w0", "w1", "w2"])
+    _publish(store, 2, ["w0", "w1"])
+    ctx, env = _context(store)
+    calls = []
+    reset(lambda: calls.append("init"), lambda: calls.append("shutdown"), ctx)
+    assert calls == ["shutdown", "init"]
+    assert env["HVDLIKE_RANK"] == "1" and env["HVDLIKE_SIZE"] == "2"
+    assert env[protocol.ENV_GENERATION] == "2" and ctx.generation == 2
+
+
+def test_reset_skips_a_generation_that_fails_to_form():
+    store = FakeStore()
+    _publish(store, 2, ["w1"])
+    ctx, env = _context(store)
+    attempts = []
+
+    def init():
+        attempts.append(env[protocol.ENV_GENERATION])
+        if len(attempts) == 1:
+            _publish(store, 3, ["w1"])
+            raise HorovodInternalError("a member died while forming")
+
+    reset(init, lambda: None, ctx)
+    assert attempts == ["2", "3"]
+
+
+def test_a_process_left_out_exits_cleanly():
+    store = FakeStore()
+    _publish(store, 2, ["w0"])
+    ctx, _ = _context(store, worker="w1")
+    with pytest.raises(SystemExit) as info:
+        reset(lambda: None, lambda: None, ctx)
+    assert info.value.code == 0
+
+
+def test_waiting_for_a_generation_times_out_with_a_clear_error():
+    ctx, _ = _context(FakeStore())
+    ctx.wait_seconds = 0.2
+    with pytest.raises(HorovodInternalError, match="no new generation after generation 1"):
+        ctx.wait_for_newer()
+
+
+def test_run_loop_restores_after_internal_error_and_keeps_state_on_hosts_updated():
+    ctx, _ = _context(FakeStore())
+    state = _state(ctx, step=0)
+    events = []
+    outcomes = [HorovodInternalError("peer lost"), HostsUpdatedInterrupt(skip_sync=True), None]
+
+    def train(state):
+        state.step += 1
+        if state.step == 2:
+            state.commit = None  # never reached: commits are explicit below
+        outcome = outcomes.pop(0)
+        events.append(("call", state.step))
+        if outcome is not None:
+            raise outcome
+        return state.step
+
+    state.register_reset_callbacks([lambda: events.append("reset")])
+    wrapped = run_fn(train, reset=lambda: events.append("reform"), is_elastic=lambda: True)
+    assert wrapped(state) == 2  # restored to 0 after the error, kept at 1 after the update
+    assert events == [("call", 1), "reform", "reset", ("call", 1), "reform", "reset",
+                      ("call", 2)]
+
+
+def test_run_loop_lets_user_errors_and_non_elastic_errors_through():
+    ctx, _ = _context(FakeStore())
+    state = _state(ctx, step=0)
+
+    def bad(state):
+        raise ValueError("user bug")
+
+    with pytest.raises(ValueError):
+        run_fn(bad, reset=lambda: None, is_elastic=lambda: True)(state)
+
+    def lost(state):
+        raise HorovodInternalError("peer lost")
+
+    with pytest.raises(HorovodInternalError):
+        run_fn(lost, reset=lambda: None, is_elastic=lambda: False)(state)
+
+
+def test_store_prefix_uses_the_launcher_generation():
+    assert protocol.store_prefix({protocol.ENV_GENERATION: "7"}, 3) == "elastic7/"
+    assert protocol.store_prefix({}, 3) == "gen3/"
+
+
+# -- ElasticSampler ----------------------------------------------------------------------
+
+
+def _sampler(monkeypatch, size, rank, n=20):
+    from hvdlike.core import api
+    from hvdlike.torch.elastic import ElasticSampler
+
+    monkeypatch.setattr(api, "is_initialized", lambda: True)
+    monkeypatch.setattr(api, "size", lambda: size)
+    monkeypatch.setattr(api, "rank", lambda: rank)
+    return ElasticSampler(list(range(n)), shuffle=True, seed=3)
+
+
+def test_sampler_partitions_and_records_every_ranks_batch(monkeypatch):
+    samplers = [_sampler(monkeypatch, 4, r) for r in range(4)]
+    parts = [list(s) for s in samplers]
+    assert sorted(sum(parts, [])) == list(range(20)) and all(len(p) == 5 for p in parts)
+    for s in samplers:
+        s.record_batch(0, 2)
+    # every rank knows what every rank processed: a lost rank takes nothing with it
+    assert samplers[0].processed_indices == samplers[3].processed_indices
+    assert samplers[0].processed_indices == {i for p in parts for i in p[:2]}
+
+
+def test_sampler_after_shrink_deals_only_unprocessed_indices(monkeypatch):
+    before = _sampler(monkeypatch, 4, 0)
+    before.record_batch(0, 2)
+    before.record_batch(1, 2)
+    processed = set(before.processed_indices)
+    state = before.state_dict()
+    after, rest = [], []
+    for r in range(2):  # the rank a sampler deals for is read at each reset
+        s = _sampler(monkeypatch, 2, r)
+        s.load_state_dict(state)
+        after.append(s)
+        rest += list(s)
+    rest.sort()
+    assert set(rest) == set(range(20)) - processed and len(rest) == 4
+    after[0].set_epoch(1)
+    assert after[0].processed_indices == set() and len(after[0]) == 10
