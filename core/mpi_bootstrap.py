@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
 import random
 import re
 import secrets
 import socket
+import sys
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .bootstrap import ENV_GLOO_IFACE, Rendezvous, Topology, local_address_towards
@@ -153,12 +155,45 @@ def choose_store_address(peers: Sequence[Tuple[str, List[str]]]) -> str:
     return "127.0.0.1"
 
 
+def libmpi_of_launcher(environ: Mapping[str, str]) -> Optional[str]:
+    """The libmpi of the Open MPI whose mpirun started this process, if it can be found.
+
+    mpi4py's binary wheels carry both the MPICH and the Open MPI ABI and load
+    the first ``libmpi`` they find, which is the wrong one when both MPIs are
+    installed (say MPICH in the environment, Open MPI elsewhere). Open MPI tells
+    its ranks where its libraries are (``OMPI_LIBDIR_LOC``, ``OPAL_PREFIX``).
+    """
+    if "OMPI_COMM_WORLD_RANK" not in environ:
+        return None
+    folders = [environ.get("OMPI_LIBDIR_LOC", "")]
+    if environ.get("OPAL_PREFIX"):
+        folders.append(os.path.join(environ["OPAL_PREFIX"], "lib"))
+    for folder in filter(None, folders):
+        for name in ("libmpi.so.40", "libmpi.so"):
+            path = os.path.join(folder, name)
+            if os.path.isfile(path):
+                return path
+    return None
+
+
+def _select_libmpi(environ: Mapping[str, str]) -> None:
+    """Point mpi4py at the launching MPI's library unless the user chose one."""
+    if "MPI4PY_LIBMPI" in os.environ or "MPI4PY_MPIABI" in os.environ:
+        return
+    if "mpi4py.MPI" in sys.modules:
+        return
+    path = libmpi_of_launcher(environ)
+    if path:
+        os.environ["MPI4PY_LIBMPI"] = path
+
+
 def _from_mpi(environ: Mapping[str, str], name: str, rank_var: str, size_var: str):
     rank, size = _int(environ, rank_var), _int(environ, size_var)
     gloo_iface = environ.get(ENV_GLOO_IFACE, "")
     if size == 1:
         return Topology(hostname=socket.gethostname()), Rendezvous(
             launcher=name, gloo_iface=gloo_iface)
+    _select_libmpi(environ)
     try:
         from mpi4py import MPI
     except ImportError:
@@ -184,19 +219,54 @@ def _from_mpi(environ: Mapping[str, str], name: str, rank_var: str, size_var: st
                             host_store=rank == 0, gloo_iface=gloo_iface)
 
 
+def _split_top_level(text: str) -> List[str]:
+    """Split on commas that are not inside brackets."""
+    parts, depth, current = [], 0, ""
+    for char in text:
+        depth += (char == "[") - (char == "]")
+        if char == "," and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += char
+    parts.append(current)
+    return [part.strip() for part in parts if part.strip()]
+
+
+def _expand_one(name: str, text: str) -> List[str]:
+    """Expand one host expression; every ``[...]`` group multiplies the names."""
+    open_at = name.find("[")
+    if open_at < 0:
+        if "]" in name:
+            raise ConfigError(f"node list {text!r} is not valid: unmatched ']'")
+        return [name]
+    close_at = name.find("]", open_at)
+    if close_at < 0:
+        raise ConfigError(f"node list {text!r} is not valid: unmatched '['")
+    prefix, ranges, rest = name[:open_at], name[open_at + 1:close_at], name[close_at + 1:]
+    numbers: List[str] = []
+    for part in ranges.split(","):
+        low, _, high = part.strip().partition("-")
+        high = high or low
+        if not (low.isdigit() and high.isdigit()) or int(high) < int(low):
+            raise ConfigError(f"node list {text!r} is not valid: bad range {part!r}")
+        numbers += [f"{n:0{len(low)}d}" for n in range(int(low), int(high) + 1)]
+    return [prefix + n + tail for n in numbers for tail in _expand_one(rest, text)]
+
+
 def expand_nodelist(text: str) -> List[str]:
-    """Expand a Slurm node list such as ``node[01-03,7],gpu5`` into host names."""
+    """Expand a Slurm node list into host names, in Slurm's order.
+
+    Raises:
+        ConfigError: unbalanced brackets or a malformed range.
+
+    Example:
+        >>> expand_nodelist("node[1-3,5],gpu[01-02]")
+        ['node1', 'node2', 'node3', 'node5', 'gpu01', 'gpu02']
+    """
     hosts: List[str] = []
-    for match in re.finditer(r"([^,\[]+)(?:\[([^\]]*)\])?([^,\[]*)", text):
-        prefix, ranges, suffix = match.group(1), match.group(2), match.group(3)
-        if ranges is None:
-            hosts.append(prefix + suffix)
-            continue
-        for part in ranges.split(","):
-            low, _, high = part.partition("-")
-            high = high or low
-            for number in range(int(low), int(high) + 1):
-                hosts.append(f"{prefix}{number:0{len(low)}d}{suffix}")
+    for name in _split_top_level(text):
+        hosts += _expand_one(name, text)
     return hosts
 
 
@@ -208,8 +278,8 @@ def _from_slurm(environ: Mapping[str, str]):
     node_id = _int(environ, "SLURM_NODEID") if "SLURM_NODEID" in environ else 0
     nodes = expand_nodelist(environ.get("SLURM_STEP_NODELIST",
                                         environ.get("SLURM_JOB_NODELIST", "")))
-    tasks_per_node = _tasks_per_node(environ.get("SLURM_STEP_TASKS_PER_NODE",
-                                                 environ.get("SLURM_TASKS_PER_NODE", "")))
+    tasks_per_node = expand_tasks_per_node(environ.get("SLURM_STEP_TASKS_PER_NODE",
+                                                       environ.get("SLURM_TASKS_PER_NODE", "")))
     local_size = tasks_per_node[node_id] if node_id < len(tasks_per_node) else 1
     cross = [n for n, count in enumerate(tasks_per_node) if count > local_rank] or [0]
     topo = Topology(rank=rank, size=size, local_rank=local_rank, local_size=local_size,
@@ -229,13 +299,17 @@ def _from_slurm(environ: Mapping[str, str]):
                             gloo_iface=environ.get(ENV_GLOO_IFACE, ""))
 
 
-def _tasks_per_node(text: str) -> List[int]:
-    """Expand ``2(x3),1`` into ``[2, 2, 2, 1]``."""
+def expand_tasks_per_node(text: str, name: str = "SLURM_TASKS_PER_NODE") -> List[int]:
+    """Expand Slurm's per-node counts: ``2(x3),1`` is ``[2, 2, 2, 1]``.
+
+    Raises:
+        ConfigError: naming ``name`` when ``text`` is malformed.
+    """
     counts: List[int] = []
     for part in filter(None, text.split(",")):
         match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
         if not match:
-            raise ConfigError(f"SLURM_TASKS_PER_NODE={text!r} is not valid")
+            raise ConfigError(f"{name}={text!r} is not valid: expected counts like 2(x3),1")
         counts.extend([int(match.group(1))] * int(match.group(2) or 1))
     return counts
 

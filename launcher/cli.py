@@ -32,6 +32,13 @@ Remote hosts
     per host. The launcher hosts the rendezvous store on the address that routes
     to the hosts, or on ``--network-interface``'s address.
 
+Inside a Slurm allocation
+    Under ``salloc`` or in an ``sbatch`` script, without ``-H``/``--hostfile``,
+    hosts and slots come from the allocation (``SLURM_JOB_NODELIST``,
+    ``SLURM_TASKS_PER_NODE`` or ``SLURM_JOB_CPUS_PER_NODE``) and every rank is a
+    one-task job step started with ``srun`` instead of ssh. ``--mpi`` hands the
+    same hosts to mpirun.
+
 Output
     Every line is prefixed ``[rank]<stdout>:`` or ``[rank]<stderr>:`` and goes to
     the launcher's stdout or stderr respectively. ``--output-filename DIR`` also
@@ -195,11 +202,18 @@ def to_config(args: argparse.Namespace) -> LaunchConfig:
         command = command[1:]
     knob_values = {name[len("knob_"):]: value for name, value in vars(args).items()
                    if name.startswith("knob_")}
+    import os
+
+    from . import slurm
+
+    elastic_flags = (args.min_np, args.max_np, args.host_discovery_script)
+    allocated = (None if any(flag is not None for flag in elastic_flags)
+                 else slurm.hosts_if_allocated(os.environ, args.hosts, args.hostfile))
     config = LaunchConfig(
         command=command,
         hosts=([] if args.host_discovery_script
-               else resolve_hosts(args.hosts, args.hostfile,
-                             args.np if args.np is not None else args.min_np)),
+               else allocated or resolve_hosts(args.hosts, args.hostfile,
+                                               args.np if args.np is not None else args.min_np)),
         np=args.np,
         ssh=SshOptions(port=args.ssh_port, identity_file=args.ssh_identity_file,
                        options=list(args.ssh_option)),
@@ -211,6 +225,7 @@ def to_config(args: argparse.Namespace) -> LaunchConfig:
         dry_run=args.dry_run,
         preflight=not args.skip_preflight,
         use_mpi=args.mpi,
+        use_srun=bool(allocated) and not args.mpi,
         mpi_args=shlex.split(args.mpi_args),
         remote_python=args.remote_python,
     )
@@ -264,6 +279,10 @@ def execute(config: LaunchConfig) -> int:
 
         return run_elastic(config, config.elastic, _say)
     job = Job(config)
+    if config.use_srun and (config.verbose or config.dry_run):
+        from .slurm import describe
+
+        _say(describe(config.environ, config.hosts))
     if config.dry_run:
         print_dry_run(job)
         return 0

@@ -14,6 +14,7 @@ import sys
 from typing import Dict, List, Optional
 
 from . import env as rank_env
+from . import slurm
 from .errors import LaunchError
 from .hosts import RankPlacement, assign_ranks
 from .launch_config import LaunchConfig
@@ -53,6 +54,7 @@ class Job:
         self.secret = new_secret()
         self.store: Optional[StoreServer] = None
         self.helper_scripts: Dict[str, Optional[str]] = {}  # remote host -> helper path
+        self.srun: Optional[str] = None  # the srun executable, inside a Slurm allocation
 
     @property
     def remote_hosts(self) -> List[str]:
@@ -78,7 +80,7 @@ class Job:
                     os.makedirs(os.path.join(cfg.output_dir, f"rank.{p.rank}"), exist_ok=True)
             except OSError as exc:
                 raise LaunchError(f"--output-filename {cfg.output_dir}: {exc.strerror or exc}") from None
-        if self.remote_hosts and cfg.preflight:
+        if self.remote_hosts and cfg.preflight and not cfg.use_srun:
             checks = check_hosts(self.remote_hosts, cfg.ssh, cfg.remote_python, cfg.cwd,
                                  cfg.command[0], path or "", cfg.start_timeout,
                                  verbose=lambda argv: self._verbose(f"pre-flight: {argv}"))
@@ -100,6 +102,11 @@ class Job:
 
     def launch_argv(self, placement: RankPlacement) -> List[str]:
         """The local command that starts the helper of one rank."""
+        if self.config.use_srun:
+            if self.srun is None:
+                self.srun = slurm.find_srun(self.config.environ)
+            return slurm.srun_command(placement.host, helper_command(self.config.remote_python),
+                                      self.srun)
         if self.local[placement.host]:
             return helper_command()
         return remote_helper_command(placement.host, self.config.ssh, self.config.remote_python,
@@ -108,11 +115,18 @@ class Job:
     def rank_spec(self, placement: RankPlacement, addr: str, port: int) -> dict:
         """The description the helper receives on stdin (command, cwd, environment)."""
         cfg = self.config
-        remote = not self.local[placement.host]
-        base = rank_env.base_environment(cfg.environ, remote)
+        if cfg.use_srun:
+            base = slurm.rank_base_environment(cfg.environ)
+        else:
+            base = rank_env.base_environment(cfg.environ, not self.local[placement.host])
         env = rank_env.rank_environment(base, placement, addr, port, self.secret,
                                         cfg.network_interface, cfg.knob_env)
         return {"argv": cfg.command, "cwd": cfg.cwd, "env": env, "grace": cfg.grace_seconds}
+
+    def _how(self, host: str) -> str:
+        if self.config.use_srun:
+            return "srun"
+        return "local" if self.local[host] else "ssh"
 
     def describe(self, addr: str = "<store-addr>", port: int = 0) -> str:
         """What would run, one block per rank (the job secret hidden)."""
@@ -123,7 +137,7 @@ class Job:
             job_vars = {k: v for k, v in rank_env.redact(spec["env"]).items()
                         if k.startswith("HVDLIKE_")}
             lines.append(
-                f"rank {t.rank} on {p.host} ({'local' if self.local[p.host] else 'ssh'}; "
+                f"rank {t.rank} on {p.host} ({self._how(p.host)}; "
                 f"local_rank {t.local_rank}/{t.local_size}, cross_rank {t.cross_rank}/{t.cross_size})"
             )
             lines.append("    start:   " + shlex.join(self.launch_argv(p)))
@@ -141,7 +155,8 @@ class Job:
         workers = []
         for p in self.placements:
             worker = Worker(p, self.launch_argv(p), self.rank_spec(p, addr, port),
-                            remote=not self.local[p.host], output=self.output,
+                            remote=not self.local[p.host] and not self.config.use_srun,
+                            output=self.output,
                             log_dir=self.config.output_dir)
             if worker.remote:
                 worker.start_delay = start_delay(p.topology.local_rank)

@@ -67,6 +67,8 @@ class LaunchConfig:
     """Hand the launch to ``mpirun`` instead of starting ranks ourselves."""
     mpi_args: List[str] = dataclasses.field(default_factory=list)
     """Extra arguments for ``mpirun``."""
+    use_srun: bool = False
+    """Start every rank as a Slurm job step with ``srun`` (inside an allocation)."""
     remote_python: str = sys.executable
     """Python interpreter that runs the rank helper on remote hosts."""
     cwd: str = dataclasses.field(default_factory=os.getcwd)

@@ -15,6 +15,7 @@ import shlex
 import signal
 import stat
 import subprocess
+import sys
 import tempfile
 from typing import List, Mapping, Optional, Sequence
 
@@ -26,6 +27,8 @@ from .ssh_exec import ssh_options
 
 OPEN_MPI = "openmpi"
 MPICH = "mpich"
+# Open MPI refuses to start as root without it; Hydra has no such check.
+ROOT_FLAG = "--allow-run-as-root"
 
 
 def flavour_of(version_text: str) -> Optional[str]:
@@ -90,8 +93,8 @@ def mpirun_command(
     """
     if flavour == OPEN_MPI:
         argv = [mpirun]
-        if as_root:
-            argv.append("--allow-run-as-root")
+        if as_root and ROOT_FLAG not in extra:
+            argv.append(ROOT_FLAG)
         argv += ["-np", str(np), "-H", _host_list(hosts), "--bind-to", "none",
                  "--map-by", "slot", "--tag-output"]
         if ssh_args:
@@ -127,6 +130,10 @@ def run_with_mpirun(config: LaunchConfig, np: int, dry_run: bool = False,
                     verbose=print, mpirun: str = "mpirun") -> int:
     """Run the job under mpirun; return its exit status (or 0 after a dry run)."""
     flavour = detect_flavour(mpirun)
+    as_root = hasattr(os, "geteuid") and os.geteuid() == 0
+    if as_root and flavour == OPEN_MPI and ROOT_FLAG not in config.mpi_args:
+        sys.stderr.write(f"hvdlike-run: running as root: passing {ROOT_FLAG} to Open MPI's "
+                         "mpirun, which refuses root otherwise\n")
     env = mpi_environment(config)
     names = sorted(k for k in env if rank_env.forwardable(k))
     remote = any(h.host not in ("localhost", "127.0.0.1") for h in config.hosts)
@@ -136,7 +143,7 @@ def run_with_mpirun(config: LaunchConfig, np: int, dry_run: bool = False,
         argv = mpirun_command(flavour, np, config.hosts, config.command, names,
                               ssh_args=ssh_args if flavour == OPEN_MPI else (),
                               ssh_wrapper=wrapper, extra=config.mpi_args,
-                              as_root=hasattr(os, "geteuid") and os.geteuid() == 0,
+                              as_root=as_root,
                               mpirun=mpirun)
         if dry_run or config.verbose:
             verbose(shlex.join(argv))

@@ -1,29 +1,54 @@
-"""hvdlike-run --mpi: the launch handed to mpirun, ranks bootstrapping through mpi4py."""
+"""hvdlike-run --mpi under MPICH and Open MPI, and a plain Open MPI mpirun.
 
-import shutil
+The ranks bootstrap through mpi4py; the same test runs under each MPI (see
+``tests/engines.py`` for how both are installed side by side).
+"""
+
+import os
 
 import pytest
 
-from .conftest import run, write_script
+from tests.engines import MPI_ENGINES, mpi_env
 
-pytest.importorskip("mpi4py", reason="needs mpi4py (pip install 'hvdlike[mpi]')")
-if shutil.which("mpirun") is None:
-    pytest.skip("needs mpirun (pip install 'hvdlike[mpi]')", allow_module_level=True)
+from .conftest import ROOT, finish, launcher_env, run, write_script
+
+JOB = """
+    import torch
+    torch.set_num_threads(1)
+    import hvdlike.torch as hvd
+
+    hvd.init()
+    total = hvd.allreduce(torch.tensor([float(hvd.rank() + 1)]), op=hvd.Sum).item()
+    print(f"mpi rank={hvd.rank()} size={hvd.size()} local={hvd.local_rank()} sum={total:g}")
+    hvd.shutdown()
+"""
 
 
-def test_mpirun_job_runs_collectives(marker):
-    script = write_script(marker, "job.py", """
-        import torch
-        torch.set_num_threads(1)
-        import hvdlike.torch as hvd
-
-        hvd.init()
-        total = hvd.allreduce(torch.tensor([float(hvd.rank() + 1)]), op=hvd.Sum).item()
-        print(f"mpi rank={hvd.rank()} size={hvd.size()} local={hvd.local_rank()} sum={total:g}")
-        hvd.shutdown()
-    """)
+@pytest.mark.parametrize("engine", MPI_ENGINES)
+def test_mpirun_job_runs_collectives(marker, engine):
+    env = mpi_env(engine, launcher_env())
+    script = write_script(marker, "job.py", JOB)
     code, out, err, _ = run(["--mpi", "-np", "2", "--cycle-time-ms", "2", "python", script],
-                            timeout=150)
+                            timeout=150, env=env)
+    assert code == 0, err
+    for rank in (0, 1):
+        assert f"mpi rank={rank} size=2 local={rank} sum=3" in out
+    if engine == "openmpi" and os.geteuid() == 0:
+        assert "passing --allow-run-as-root to Open MPI's mpirun" in err
+
+
+def test_plain_open_mpi_mpirun_bootstraps_from_ompi_variables(marker):
+    """``mpirun -np 2 python train.py`` with no hvdlike launcher: ranks read OMPI_*."""
+    import subprocess
+
+    env = mpi_env("openmpi", launcher_env())
+    env.pop("MPI4PY_LIBMPI", None)
+    script = write_script(marker, "job.py", JOB)
+    argv = ["mpirun", "-np", "2"] + (["--allow-run-as-root"] if os.geteuid() == 0 else [])
+    proc = subprocess.Popen(argv + ["python", script], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    code, out, err = finish(proc, timeout=150)
     assert code == 0, err
     for rank in (0, 1):
         assert f"mpi rank={rank} size=2 local={rank} sum=3" in out

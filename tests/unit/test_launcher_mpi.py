@@ -57,3 +57,9 @@ def test_mpich_without_ssh_options_uses_default_launcher():
 def test_unknown_flavour():
     with pytest.raises(LaunchError):
         mpirun_command("lam", 2, HOSTS, ["python"], [])
+
+
+def test_allow_run_as_root_not_repeated_when_user_gave_it():
+    argv = mpirun_command(OPEN_MPI, 2, HOSTS, ["python"], [], extra=["--allow-run-as-root"],
+                          as_root=True)
+    assert argv.count("--allow-run-as-root") == 1

@@ -99,3 +99,12 @@ def test_hosting_rank_can_connect_to_its_own_store_twice():
         assert second.get("k") == b"v"
     finally:
         bootstrap.release_hosted_store()
+
+
+def test_open_mpi_ranks_point_mpi4py_at_the_launching_libmpi(tmp_path):
+    (tmp_path / "libmpi.so.40").write_bytes(b"")
+    environ = {"OMPI_COMM_WORLD_RANK": "0", "OMPI_LIBDIR_LOC": str(tmp_path)}
+    assert mpi_bootstrap.libmpi_of_launcher(environ) == str(tmp_path / "libmpi.so.40")
+    prefix_only = {"OMPI_COMM_WORLD_RANK": "0", "OPAL_PREFIX": str(tmp_path.parent)}
+    assert mpi_bootstrap.libmpi_of_launcher(prefix_only) is None  # no lib/ under it
+    assert mpi_bootstrap.libmpi_of_launcher({"PMI_RANK": "0"}) is None

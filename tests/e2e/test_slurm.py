@@ -1,0 +1,124 @@
+"""Real Slurm: ranks started by ``srun``, and ``hvdlike-run`` inside an allocation.
+
+A one-host cluster (munged, slurmctld, slurmd; see ``tests/slurm.py``) is started
+for this module and stopped after it; the tests skip with the reason when it
+cannot start here (not root, ``slurm-wlm``/``munge`` not installed...).
+"""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from .conftest import ROOT, finish, launcher_argv, launcher_env, write_script
+
+JOB = """
+    import os
+    import psutil
+    import torch
+    torch.set_num_threads(1)
+    import hvdlike.torch as hvd
+
+    hvd.init()
+    total = hvd.allreduce(torch.tensor([float(hvd.rank() + 1)]), op=hvd.Sum).item()
+    print(f"slurm rank={hvd.rank()} size={hvd.size()} local={hvd.local_rank()}/{hvd.local_size()} "
+          f"cross={hvd.cross_rank()}/{hvd.cross_size()} sum={total:g} "
+          f"job={os.environ.get('SLURM_JOB_ID')} "
+          f"stepd={any(p.name() == 'slurmstepd' for p in psutil.Process().parents())}",
+          flush=True)
+    hvd.shutdown()
+"""
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster():
+    from tests import slurm
+
+    reason = slurm.why_unavailable()
+    if reason:
+        print(f"Slurm tests skipped: {reason}")
+        pytest.skip(f"Slurm tests skipped: {reason}")
+    try:
+        cluster = slurm.Cluster().setup()
+    except slurm.Unavailable as exc:
+        print(f"Slurm tests skipped: the cluster did not start: {exc}")
+        pytest.skip(f"Slurm tests skipped: the cluster did not start: {exc}")
+    try:
+        yield cluster
+    finally:
+        cluster.teardown()
+
+
+def _run(argv, env, timeout=120):
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    return finish(proc, timeout)
+
+
+def _sum(n):
+    return n * (n + 1) // 2
+
+
+def test_srun_four_tasks_bootstrap_from_slurm_variables(slurm_cluster, marker):
+    script = write_script(marker, "job.py", JOB)
+    env = slurm_cluster.env(launcher_env())
+    code, out, err = _run(["srun", "-n", "4", "--kill-on-bad-exit=1", sys.executable, script],
+                          env)
+    assert code == 0, err
+    for rank in range(4):
+        assert f"slurm rank={rank} size=4 local={rank}/4 cross=0/1 sum={_sum(4)}" in out, out
+
+
+def test_hvdlike_run_inside_salloc_takes_hosts_from_the_allocation(slurm_cluster, marker):
+    script = write_script(marker, "job.py", JOB)
+    env = slurm_cluster.env(launcher_env())
+    code, out, err = _run(["salloc", "-n", "3", *launcher_argv(), "--verbose", sys.executable,
+                           script], env)
+    assert code == 0, err
+    node = slurm_cluster.node
+    assert f"hosts {node}:3, ranks started with srun" in err
+    job_ids = set()
+    for rank in range(3):
+        line = next(l for l in out.splitlines() if f"slurm rank={rank} " in l)
+        assert f"size=3 local={rank}/3 cross=0/1 sum={_sum(3)}" in line, out
+        job_ids.add(line.split("job=")[1].split()[0])
+        # Each rank runs in a job step of the allocation (under slurmstepd), not beside it.
+        assert "stepd=True" in line, line
+    assert len(job_ids) == 1 and job_ids != {"None"}, out
+
+
+def test_hvdlike_run_in_sbatch_script_and_a_failing_rank(slurm_cluster, marker):
+    good = write_script(marker, "job.py", JOB)
+    bad = write_script(marker, "bad.py", """
+        import os, sys
+        if os.environ["HVDLIKE_RANK"] == "1":
+            sys.exit(7)
+        import time
+        time.sleep(60)
+    """)
+    batch = write_script(marker, "batch.sh", f"""\
+        #!/bin/sh
+        {' '.join(launcher_argv())} {sys.executable} {good} || exit 1
+        {' '.join(launcher_argv())} {sys.executable} {bad}
+        echo "second job exit=$?"
+    """)
+    output = os.path.join(str(marker), "batch.out")
+    env = slurm_cluster.env(launcher_env())
+    code, out, err = _run(["sbatch", "--parsable", "-n", "2", f"--output={output}", batch], env)
+    assert code == 0, err
+    job = out.strip().split(";")[0]
+    # Poll the queue briskly (sbatch --wait backs off to several seconds between checks).
+    deadline = time.monotonic() + 150
+    while _run(["squeue", "-h", "-j", job], env)[1].strip():
+        if time.monotonic() > deadline:
+            subprocess.run(["scancel", job], env=env, timeout=30)
+            pytest.fail(f"batch job {job} did not end within 150s")
+        time.sleep(0.5)
+    with open(output) as handle:
+        log = handle.read()
+    for rank in range(2):
+        assert f"slurm rank={rank} size=2 local={rank}/2 cross=0/1 sum=3" in log, log
+    assert "second job exit=7" in log, log
+    assert "rank 1" in log and "exit" in log, log
