@@ -1,7 +1,8 @@
 """``hvdlike-run --check-build``: which frameworks, controllers and data planes work here.
 
-Frameworks are looked up without importing them (importing jax or TensorFlow
-is slow); torch is imported because the data plane lives in it.
+Frameworks and Ray are looked up without importing them (importing jax,
+TensorFlow or Ray is slow); torch is imported because the data plane lives in
+it. ``mpirun --version`` tells Open MPI from MPICH (the one on PATH is used).
 """
 
 from __future__ import annotations
@@ -22,6 +23,17 @@ def _has(module: str) -> bool:
         return False
 
 
+def _mpirun_flavour():
+    """Which MPI the ``mpirun`` on PATH belongs to (None: unknown or not answering)."""
+    from .errors import LaunchError
+    from .mpi_exec import detect_flavour
+
+    try:
+        return detect_flavour("mpirun")
+    except LaunchError:
+        return None
+
+
 def probe() -> List[Tuple[str, List[Tuple[str, bool]]]]:
     """Sections of ``(name, available)`` pairs."""
     gloo = nccl = torch_ok = False
@@ -35,6 +47,7 @@ def probe() -> List[Tuple[str, List[Tuple[str, bool]]]]:
     except ImportError:
         pass
     mpi = _has("mpi4py") and (shutil.which("mpirun") or shutil.which("mpiexec")) is not None
+    flavour = _mpirun_flavour() if shutil.which("mpirun") else None
     return [
         ("Available Frameworks", [
             ("PyTorch", torch_ok), ("NumPy", _has("numpy")), ("JAX", _has("jax")),
@@ -43,9 +56,12 @@ def probe() -> List[Tuple[str, List[Tuple[str, bool]]]]:
         ("Available Controllers", [("Gloo", gloo), ("MPI", mpi)]),
         ("Available Tensor Operations", [("NCCL", nccl), ("Gloo", gloo), ("MPI", mpi)]),
         ("Available Launchers", [
-            ("ssh", shutil.which("ssh") is not None), ("mpirun", mpi),
-            ("srun", shutil.which("srun") is not None),
+            ("ssh", shutil.which("ssh") is not None),
+            ("mpirun (Open MPI)", mpi and flavour == "openmpi"),
+            ("mpirun (MPICH)", mpi and flavour == "mpich"),
+            ("srun (Slurm)", shutil.which("srun") is not None),
             ("torchrun", shutil.which("torchrun") is not None),
+            ("Ray (hvdlike.ray)", _has("ray")),
         ]),
     ]
 

@@ -81,3 +81,11 @@ def test_check_build(marker):
     code, out, err, _ = run(["--check-build"])
     assert code == 0, err
     assert "[X] PyTorch" in out and "[X] Gloo" in out
+    import importlib.util
+    import shutil
+
+    # Each engine is listed, and marked available exactly when it is there.
+    ray_here = importlib.util.find_spec("ray") is not None
+    assert f"[{'X' if ray_here else ' '}] Ray (hvdlike.ray)" in out
+    assert f"[{'X' if shutil.which('srun') else ' '}] srun (Slurm)" in out
+    assert "mpirun (Open MPI)" in out and "mpirun (MPICH)" in out
