@@ -123,6 +123,9 @@ class ObjectState(State):
         object.__setattr__(self, "_saved", copy.deepcopy(self._values()))
 
     def restore(self) -> None:
+        self._load_saved()
+
+    def _load_saved(self) -> None:
         for name, value in copy.deepcopy(self._saved).items():
             object.__setattr__(self, name, value)
 
@@ -130,4 +133,6 @@ class ObjectState(State):
         if self._saved:
             synced = self._bcast_object(self._saved, root_rank=0)
             object.__setattr__(self, "_saved", synced)
-            self.restore()
+            # Only the plain attributes: a subclass's restore() would also roll
+            # back what it has just synced itself.
+            self._load_saved()

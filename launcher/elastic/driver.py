@@ -142,7 +142,10 @@ class ElasticDriver:
             elif event is not None and event[0] == "exit":
                 self._exited(event[1], event[2])
             elif event is not None and event[0] == "hosts":
-                if self.table.update(event[1]) and self._hosts_matter():
+                # Checked on every discovery run, changed or not: a blacklisted
+                # host whose cooldown ended is usable again under the same list.
+                self.table.update(event[1])
+                if self.generation > 0 and self._hosts_matter():
                     self._schedule_reform()
             if self.result.interrupted is None and not self._finishing and self.result.exit_code == 0:
                 self._check_progress()

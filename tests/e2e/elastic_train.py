@@ -50,9 +50,24 @@ def inject(steps):
             raise RuntimeError(f"injected failure of {WORKER} at step {steps}")
 
 
+def checksum():
+    return ",".join(f"{v:.6f}" for v in torch.cat([p.detach().flatten()
+                                                   for p in model.parameters()]).tolist())
+
+
+def optimizer_checksum():
+    total = 0.0
+    for group in optimizer.state_dict()["state"].values():
+        total += float(sum(v.abs().sum() for v in group.values() if torch.is_tensor(v)))
+    return f"{total:.6f}"
+
+
 @hvd.elastic.run
 def train(state):
-    say(f"GEN worker={WORKER} rank={hvd.rank()} size={hvd.size()} steps={state.steps}")
+    generation = os.environ.get("HVDLIKE_ELASTIC_GENERATION", "0")
+    say(f"GEN worker={WORKER} gen={generation} rank={hvd.rank()} size={hvd.size()} "
+        f"steps={state.steps} "
+        f"params={checksum()} optimizer={optimizer_checksum()}")
     while state.epoch < EPOCHS:
         while state.batch < BATCHES:
             inject(state.steps)
@@ -81,7 +96,6 @@ state = hvd.elastic.TorchState(model=model, optimizer=optimizer, sampler=sampler
                                epoch=0, batch=0, steps=0)
 state.register_reset_callbacks([lambda: say(f"RESET worker={WORKER} size={hvd.size()}")])
 train(state)
-flat = torch.cat([p.detach().flatten() for p in model.parameters()])
 say(f"DONE worker={WORKER} rank={hvd.rank()} size={hvd.size()} steps={state.steps} "
-    f"params={','.join(f'{v:.6f}' for v in flat.tolist())}")
+    f"params={checksum()}")
 sys.stdout.flush()

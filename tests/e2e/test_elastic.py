@@ -33,7 +33,22 @@ def _done(out):
 
 
 def _trained_sizes(out, worker):
-    return [int(s) for s in re.findall(rf"GEN worker={worker} rank=\d+ size=(\d+)", out)]
+    return [int(s) for s in re.findall(rf"GEN worker={worker} gen=\d+ rank=\d+ size=(\d+)", out)]
+
+
+def _assert_generations_agree(out):
+    """Within each generation every rank starts from the same steps, parameters
+    and optimizer state (the sync after a re-form), and ranks are 0..size-1."""
+    starts = {}
+    for m in re.finditer(r"GEN worker=\w+ gen=(\d+) rank=(\d+) size=(\d+) steps=(\d+) "
+                         r"params=(\S+) optimizer=(\S+)", out):
+        gen, rank, size = int(m.group(1)), int(m.group(2)), int(m.group(3))
+        starts.setdefault(gen, []).append((rank, size, m.group(4), m.group(5), m.group(6)))
+    assert starts, out
+    for gen, rows in starts.items():
+        size = rows[0][1]
+        assert sorted(r for r, _, _, _, _ in rows) == list(range(size)), (gen, rows)
+        assert len({row[1:] for row in rows}) == 1, (gen, rows)
 
 
 def _assert_finished(out, workers, size):
@@ -43,6 +58,7 @@ def _assert_finished(out, workers, size):
     assert {s for _, s, _, _ in done.values()} == {size}
     assert {steps for _, _, steps, _ in done.values()} == {EPOCHS * BATCHES}, out
     assert len({params for _, _, _, params in done.values()}) == 1, out
+    _assert_generations_agree(out)
 
 
 def test_rank_raising_shrinks_the_job_from_4_to_2(marker):
@@ -98,6 +114,18 @@ def test_reset_limit_exceeded_fails_the_job(marker):
     assert "the job would re-form more than --reset-limit 0 time(s)" in err, err
 
 
+def test_blacklisted_host_comes_back_after_its_cooldown(marker):
+    code, out, err, _ = run(
+        ["-np", "2", "--min-np", "1", "--max-np", "2", "--blacklist-cooldown-range", "2", "3",
+         "-H", "127.0.0.1:1,127.0.0.2:1", sys.executable, TRAIN, str(marker)],
+        timeout=180, env=_env(ELASTIC_FAULTS="w1:3:raise", ELASTIC_STEP_SECONDS="0.5"))
+    assert code == 0, err
+    _assert_finished(out, ["w0", "w2"], 2)
+    assert _trained_sizes(out, "w0") == [2, 1, 2], out
+    assert "host 127.0.0.2 blacklisted for " in err
+    assert "sizes 2 -> 1 -> 2" in err
+
+
 def test_hosts_added_then_removed_grow_and_shrink_the_job(marker):
     hosts = marker / "hosts.txt"
     hosts.write_text("127.0.0.1:2\n")
@@ -122,6 +150,7 @@ def test_hosts_added_then_removed_grow_and_shrink_the_job(marker):
     assert sorted(done) == ["w0", "w1"], out
     assert {steps for _, _, steps, _ in done.values()} == {EPOCHS * 10}, out
     assert len({params for _, _, _, params in done.values()}) == 1
+    _assert_generations_agree(out)
     assert _trained_sizes(out, "w0") == [2, 4, 2], out
     assert _trained_sizes(out, "w2") == [4] and _trained_sizes(out, "w3") == [4], out
     assert "sizes 2 -> 4 -> 2" in err

@@ -46,7 +46,8 @@ def _kill_all(procs: Sequence[subprocess.Popen]) -> None:
 
 
 def run_ranks(fn: Callable, np: int = 2, args: Sequence[Any] = (), env: Optional[dict] = None,
-              timeout: float = 90.0, expect_failure: bool = False):
+              timeout: float = 90.0, expect_failure: bool = False,
+              per_rank_env: Optional[Callable[[int], dict]] = None):
     """Run ``fn(*args)`` on ``np`` ranks; return results (or outputs if expect_failure).
 
     Args:
@@ -57,6 +58,7 @@ def run_ranks(fn: Callable, np: int = 2, args: Sequence[Any] = (), env: Optional
         timeout: hard deadline in seconds for the whole run.
         expect_failure: when True, do not raise on a failing rank; return
             ``(returncodes, outputs)`` instead.
+        per_rank_env: ``fn(rank) -> dict`` of further variables for one rank.
     """
     from torch.distributed import TCPStore
 
@@ -79,6 +81,7 @@ def run_ranks(fn: Callable, np: int = 2, args: Sequence[Any] = (), env: Optional
                 "OMP_NUM_THREADS": "1",
             })
             rank_env.update(env or {})
+            rank_env.update(per_rank_env(rank) if per_rank_env else {})
             log = open(os.path.join(tmp, f"rank{rank}.log"), "w+")
             logs.append(log)
             procs.append(subprocess.Popen(
