@@ -188,6 +188,9 @@ KNOBS = (
     Knob("cpu_operations", "auto", _choice("auto", "gloo", "mpi"),
          "engine of CPU tensor collectives: auto (MPI when started by mpirun), gloo or mpi",
          flag="--cpu-operations"),
+    Knob("shm", True, _parse_bool,
+         "move CPU tensors between ranks of one host through shared memory (0: Gloo's TCP)",
+         flag="--no-shm"),
     Knob("disable_group_fusion", False, _parse_bool,
          "do not fuse the members of grouped collectives with other tensors",
          flag="--disable-group-fusion"),
@@ -220,6 +223,7 @@ class Config:
     controller: str = "auto"
     cpu_operations: str = "auto"
     disable_group_fusion: bool = False
+    shm: bool = True
 
     @property
     def log_level_number(self) -> int:

@@ -40,7 +40,7 @@ class ProcessSetState:
 
     def __init__(self, set_id: int, ranks: Sequence[int], global_rank: int, store, cfg,
                  local_addr: str, complete, explain, engines=("gloo", "gloo"),
-                 abandon=lambda: None):
+                 abandon=lambda: None, shm=None):
         self.id = set_id
         self.ranks = list(ranks)
         self.rank = self.ranks.index(global_rank)
@@ -66,6 +66,12 @@ class ProcessSetState:
                 self.groups.closers.append(control.close)
             else:
                 mpi_plane.free(comm)  # only its duplicate (the data plane) is used
+        if shm is not None and cpu_engine == "gloo" and self.size > 1:
+            from . import shm_plane
+
+            self.groups.cpu_plane = shm_plane.for_set(
+                shm, self.groups.store, self.rank, self.ranks,
+                lambda: self.groups.torch_group("cpu"), abandon)
         self.controller = Controller(control, cfg.cache_capacity)
         self.executor = Executor(self.groups, self.rank, self.size, cfg.fusion_threshold,
                                  complete, explain)
@@ -80,6 +86,7 @@ class Runtime:
 
     timeline = None  # a core.timeline.Timeline while recording (see core/timeline.py)
     engines = ("gloo", "gloo")  # (negotiation, CPU tensors): see mpi_plane.choose
+    shm = None  # shm_plane.Settings when ranks of this host may share memory
 
     def __init__(self, cfg: config_mod.Config, topology: bootstrap.Topology,
                  rendezvous: bootstrap.Rendezvous):
@@ -141,6 +148,9 @@ class Runtime:
         runtime.engines = mpi_plane.choose(cfg.controller, cfg.cpu_operations,
                                            rendezvous.launcher, topology.rank, topology.size,
                                            environ)
+        from . import shm_plane
+
+        runtime.shm = shm_plane.settings(cfg, topology, rendezvous)
         try:
             runtime.add_process_set(0, range(topology.size))
         except Exception as exc:
@@ -197,7 +207,7 @@ class Runtime:
             return None
         state = ProcessSetState(set_id, ranks, self.topology.rank, self.store, self.config,
                                 self.local_addr, self._complete, self._explain, self.engines,
-                                lambda: self.fatal)
+                                lambda: self.fatal, self.shm)
         return state
 
     def install_process_set(self, set_id: int, ranks: Sequence[int],

@@ -176,7 +176,10 @@ def build_parser() -> argparse.ArgumentParser:
     for knob in core_config.KNOBS:
         if not knob.flag:
             continue
-        if isinstance(knob.default, bool):
+        if knob.default is True:  # on by default: the flag turns it off
+            knobs.add_argument(knob.flag, dest=f"knob_{knob.field}", action="store_const",
+                               const="0", default=None, help=f"{knob.help} ({knob.env}=0)")
+        elif isinstance(knob.default, bool):
             knobs.add_argument(knob.flag, dest=f"knob_{knob.field}", action="store_true",
                                default=None, help=f"{knob.help} ({knob.env}=1)")
         else:

@@ -99,6 +99,12 @@ class Job:
         if self.store is not None:
             self.store.__exit__(*exc_info)
             self.store = None
+        if any(self.local.values()):
+            # Ranks unlink their shared memory as soon as all have mapped it; only
+            # ranks killed during that moment leave a name, and it carries the job's tag.
+            from hvdlike.core.shm_segment import job_tag, sweep
+
+            sweep(job_tag(self.secret))
 
     def launch_argv(self, placement: RankPlacement) -> List[str]:
         """The local command that starts the helper of one rank."""

@@ -62,11 +62,11 @@ def test_start_stop_timeline_two_ranks(tmp_path):
     assert any(e["name"] == "CYCLE_START" and e["ph"] == "i" for e in events)
 
     solo = _spans(events, "solo")
-    assert {"NEGOTIATE_ALLREDUCE", "QUEUE", "ALLREDUCE", "LAUNCH", "GLOO_ALLREDUCE",
+    assert {"NEGOTIATE_ALLREDUCE", "QUEUE", "ALLREDUCE", "LAUNCH", "SHM_ALLREDUCE",
             "FINALIZE"} <= set(solo)
     negotiate, queue, op = solo["NEGOTIATE_ALLREDUCE"], solo["QUEUE"], solo["ALLREDUCE"]
     assert negotiate["ts"] <= queue["ts"] <= op["ts"]
-    for phase in ("LAUNCH", "GLOO_ALLREDUCE", "FINALIZE"):  # nested inside the op
+    for phase in ("LAUNCH", "SHM_ALLREDUCE", "FINALIZE"):  # nested inside the op
         assert op["ts"] <= solo[phase]["ts"]
         assert solo[phase]["ts"] + solo[phase]["dur"] <= op["ts"] + op["dur"] + 1.0
     assert op["args"] == {"dtype": "float32", "shape": [3], "fused_with": 0}
@@ -80,13 +80,13 @@ def test_start_stop_timeline_two_ranks(tmp_path):
 
     for member in ("grp.0", "grp.1"):
         fused = _spans(events, member)
-        assert {"NEGOTIATE_ALLREDUCE", "QUEUE", "MEMCPY_IN_FUSION_BUFFER", "GLOO_ALLREDUCE",
+        assert {"NEGOTIATE_ALLREDUCE", "QUEUE", "MEMCPY_IN_FUSION_BUFFER", "SHM_ALLREDUCE",
                 "MEMCPY_OUT_FUSION_BUFFER"} <= set(fused)
         assert fused["ALLREDUCE"]["args"]["fused_with"] == 1
         assert fused["QUEUE"]["ts"] <= fused["ALLREDUCE"]["ts"] <= \
             fused["MEMCPY_IN_FUSION_BUFFER"]["ts"]
         assert len(chrome_trace.on_row(events, member, ph="i")) == 2
-    assert {"NEGOTIATE_BROADCAST", "BROADCAST", "GLOO_BROADCAST"} <= set(_spans(events, "bc"))
+    assert {"NEGOTIATE_BROADCAST", "BROADCAST", "SHM_BROADCAST"} <= set(_spans(events, "bc"))
 
     # Repeats are agreed through the cache: annotated, without per-rank marks.
     rep = [e for e in chrome_trace.on_row(events, "rep") if e["name"] == "NEGOTIATE_ALLREDUCE"]

@@ -1,0 +1,415 @@
+"""Shared memory as the CPU data plane of the ranks of one host.
+
+Gloo moves bytes between two processes of one host through loopback TCP:
+every byte is copied into a socket, through the kernel and out again, in
+small pieces, by Gloo's threads. Here the members of a process set that all
+run on one host map one segment (see :mod:`.shm_segment`) and move tensors
+with plain torch copies and reductions on it.
+
+:class:`ShmDataGroup` mimics the slice of the torch ``ProcessGroup`` interface
+the executor uses (``allreduce``, ``broadcast``, ``allgather``,
+``alltoall_base``, ``barrier``); anything else (the point-to-point traffic of
+Adasum) goes to the set's Gloo group. Each call returns a work object whose
+``wait()`` runs the collective: the executor's finisher thread calls it, in
+launch order, which is the same order on every member, so the background
+thread keeps negotiating while data moves.
+
+Algorithms, on a data area of two buffers, each ``members + 1`` slots of
+``chunk_bytes``, used alternately chunk by chunk (a buffer is written again
+only two sync points after its last reader finished, so one sync per phase
+suffices):
+
+* allreduce, per chunk: every member copies its chunk into its slot; sync;
+  member ``i`` reduces the ``i``-th portion of the chunk over all slots into
+  the result slot (each element is reduced once, in member order, so every
+  member gets the identical result); sync; every member copies the result out;
+* broadcast, per chunk: the root copies into the result slot; sync; others copy out;
+* allgather, per chunk: every member copies its part into its slot; sync;
+  every member copies all slots out;
+* alltoall: the send counts go through the header first, then each member's
+  send buffer is streamed through its slot as in allgather and every member
+  picks the pieces addressed to it.
+
+Waiting never busy-polls for long (futex sleeps, see :mod:`.shm_segment`);
+while a member is missing the wait checks, every 0.1 s, whether the job has
+failed, whether the missing member's process has exited, and whether
+``HVDLIKE_GLOO_TIMEOUT_SECONDS`` has passed -- each raises an error naming
+the rank, which the executor turns into the job's failure (with the health
+watcher's diagnosis).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import secrets
+import time
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import shm_segment
+from .errors import HvdlikeInternalError
+from .shm_segment import Segment, job_tag  # noqa: F401 - job_tag re-exported
+
+CHUNK_BYTES = 1 << 20  # per slot; two buffers of (members + 1) slots per segment
+_ALIGN_BYTES = 64
+_ATTACH_POLL_SECONDS = 0.001
+_PID, _ATTACHED = 1, 2  # header words of each member (0 is its sync counter)
+_counter = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What every process set of a runtime needs to build its shared-memory plane.
+
+    Attributes:
+        tag: public one-way derivation of the job secret; starts every segment name.
+        host: identifies this host (ranks with equal ``host`` share memory).
+        timeout_seconds: how long a member waits for a missing one.
+        start_timeout_seconds: how long members wait for each other to map the segment.
+    """
+
+    tag: str
+    host: str
+    timeout_seconds: float
+    start_timeout_seconds: float
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def settings(cfg, topology, rendezvous) -> Optional[Settings]:
+    """The plane's settings for this runtime, or None when it cannot help.
+
+    None when ``HVDLIKE_SHM=0``, when no two ranks of the job share this host,
+    or when the host has no ``/dev/shm``.
+    """
+    if not cfg.shm or topology.size < 2 or topology.local_size < 2:
+        return None
+    if not os.path.isdir(shm_segment.SHM_DIR) or not rendezvous.secret:
+        return None
+    return Settings(tag=job_tag(rendezvous.secret),
+                    host=f"{topology.hostname}|{_boot_id()}",
+                    timeout_seconds=cfg.gloo_timeout_seconds,
+                    start_timeout_seconds=cfg.start_timeout)
+
+
+def host_members(store, settings_: Settings, rank: int, size: int) -> List[int]:
+    """Set ranks on this host (collective over the set: every member publishes its host)."""
+    store.set(f"host/{rank}", settings_.host)
+    hosts = [settings_.host if r == rank else store.get(f"host/{r}").decode()
+             for r in range(size)]
+    return [r for r in range(size) if hosts[r] == settings_.host]
+
+
+class _Work:
+    """A collective run by ``wait()`` (on the executor's finisher thread)."""
+
+    __slots__ = ("_run", "_done")
+    inline = False
+    engine = "SHM"  # the timeline's name for the transfer (SHM_ALLREDUCE...)
+
+    def __init__(self, run: Callable[[], None]):
+        self._run = run
+        self._done = False
+
+    def wait(self, timeout=None) -> bool:
+        if not self._done:
+            self._done = True
+            self._run()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done
+
+
+def _chain(fn):
+    def reduce(parts: Sequence[torch.Tensor], out: torch.Tensor) -> None:
+        fn(parts[0], parts[1], out=out)
+        for part in parts[2:]:
+            fn(out, part, out=out)
+    return reduce
+
+
+_REDUCERS = (
+    (dist.ReduceOp.SUM, _chain(torch.add)),
+    (dist.ReduceOp.PRODUCT, _chain(torch.mul)),
+    (dist.ReduceOp.MIN, _chain(torch.minimum)),
+    (dist.ReduceOp.MAX, _chain(torch.maximum)),
+)
+
+
+def _reducer(opts):
+    wanted = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+    # ReduceOp == RedOpType holds only in this order (torch compares one way).
+    return next((fn for op, fn in _REDUCERS if wanted == op), None)
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+def _closed():
+    raise HvdlikeInternalError("the shared-memory plane of this process set is closed")
+
+
+class ShmDataGroup:
+    """CPU collectives of a one-host process set on shared memory, the rest on Gloo.
+
+    Args:
+        settings_: the runtime's :class:`Settings`.
+        store: the set's store (prefixed), for the segment name.
+        rank, size: this member's rank in the set and the set's size.
+        ranks: the set's global ranks (for error messages).
+        gloo: returns the set's Gloo group (created on first use).
+        abandon: returns the job's failure once there is one.
+    """
+
+    def __init__(self, settings_: Settings, store, rank: int, size: int, ranks: Sequence[int],
+                 gloo: Callable[[], object],
+                 abandon: Callable[[], Optional[BaseException]] = lambda: None,
+                 chunk_bytes: int = 0):
+        self.settings = settings_
+        self.rank = rank
+        self.size = size
+        self.ranks = list(ranks)
+        self._gloo = gloo
+        self.abandon = abandon
+        self.chunk_bytes = chunk_bytes or CHUNK_BYTES
+        self.name = ""
+        self._step = 0
+        self._views: Dict[tuple, torch.Tensor] = {}
+        self.pids: List[int] = []
+        self.segment = self._attach(store)
+
+    # -- setup ---------------------------------------------------------------------------
+
+    def _attach(self, store) -> Segment:
+        global _counter
+        n = self.size
+        header = shm_segment.header_bytes(n, 16 * n)
+        total = header + 2 * (n + 1) * self.chunk_bytes
+        mm = None
+        try:
+            if self.rank == 0:
+                _counter += 1
+                self.name = (f"{shm_segment.NAME_PREFIX}{self.settings.tag}-{os.getpid()}-"
+                             f"{_counter}-{secrets.token_hex(4)}")
+                mm = Segment.create(self.name, total)
+                store.set("segment", self.name)
+            else:
+                self.name = store.get("segment").decode()
+                mm = Segment.open(self.name, total)
+            segment = Segment(mm, n, self.rank, header)
+            segment.publish(_PID, os.getpid())
+            segment.publish(_ATTACHED, 1)
+            deadline = time.monotonic() + self.settings.start_timeout_seconds
+            while not all(segment.read(m, _ATTACHED) for m in range(n)):
+                if time.monotonic() > deadline:
+                    late = [self.ranks[m] for m in range(n) if not segment.read(m, _ATTACHED)]
+                    raise HvdlikeInternalError(
+                        f"rank(s) {late} did not map the shared-memory segment within "
+                        f"{self.settings.start_timeout_seconds:g}s")
+                time.sleep(_ATTACH_POLL_SECONDS)
+        except HvdlikeInternalError:
+            raise
+        except Exception as exc:
+            raise HvdlikeInternalError(
+                f"could not set up shared memory {self.name or '(unnamed)'} in "
+                f"{shm_segment.SHM_DIR}: {exc} (HVDLIKE_SHM=0 turns it off)") from None
+        finally:
+            if self.name:
+                shm_segment.unlink(self.name)  # mapped by everyone (or failed): drop the name
+        self.pids = [segment.read(m, _PID) for m in range(n)]
+        self.data = torch.frombuffer(mm, dtype=torch.uint8, offset=header,
+                                     count=total - header).view(2, n + 1, self.chunk_bytes)
+        self.meta = torch.frombuffer(mm, dtype=torch.int64, offset=n * shm_segment.LINE,
+                                     count=2 * n * n).view(2, n, n)
+        return segment
+
+    # -- synchronisation ---------------------------------------------------------------
+
+    def _check(self, deadline: float, what: str) -> Callable[[List[int]], None]:
+        def check(missing: List[int]) -> None:
+            error = self.abandon()
+            if error is not None:
+                raise HvdlikeInternalError(
+                    f"shared-memory {what} abandoned, the job has failed: {error}") from None
+            gone = [m for m in missing if shm_segment.process_gone(self.pids[m])]
+            if gone:
+                who = ", ".join(f"rank {self.ranks[m]} (pid {self.pids[m]})" for m in gone)
+                raise HvdlikeInternalError(
+                    f"{who} exited during a shared-memory {what}")
+            if time.monotonic() > deadline:
+                who = ", ".join(f"rank {self.ranks[m]}" for m in missing)
+                raise HvdlikeInternalError(
+                    f"{who} did not reach a shared-memory {what} within "
+                    f"{self.settings.timeout_seconds:g}s")
+        return check
+
+    def _sync(self, what: str) -> None:
+        self.segment.arrive()
+        deadline = time.monotonic() + self.settings.timeout_seconds
+        self.segment.wait_all(self._check(deadline, what))
+
+    def _buffer(self, dtype: torch.dtype) -> torch.Tensor:
+        """The next buffer (alternating), as ``[members + 1, chunk elements]`` of ``dtype``."""
+        self._step += 1
+        key = (self._step & 1, dtype)
+        view = self._views.get(key)
+        if view is None:
+            view = self._views[key] = self.data[key[0]].view(dtype)
+        return view
+
+    # -- collectives ---------------------------------------------------------------------
+
+    def allreduce(self, tensors, opts=None):
+        reduce = _reducer(opts)
+        if len(tensors) != 1 or reduce is None or not tensors[0].is_contiguous():
+            return self._gloo().allreduce(tensors, opts)
+        flat = tensors[0].reshape(-1)
+        return _Work(lambda: self._allreduce(flat, reduce))
+
+    def _allreduce(self, flat: torch.Tensor, reduce) -> None:
+        n, me = self.size, self.rank
+        count = flat.numel()
+        per_chunk = self.chunk_bytes // flat.element_size()
+        unit = max(1, _ALIGN_BYTES // flat.element_size())
+        for start in range(0, count, per_chunk):
+            length = min(per_chunk, count - start)
+            slots = self._buffer(flat.dtype)
+            slots[me, :length].copy_(flat[start:start + length])
+            self._sync("allreduce")
+            share = -(-length // (n * unit)) * unit
+            lo, hi = min(me * share, length), min((me + 1) * share, length)
+            if hi > lo:
+                reduce([slots[m, lo:hi] for m in range(n)], slots[n, lo:hi])
+            self._sync("allreduce")
+            flat[start:start + length].copy_(slots[n, :length])
+
+    def broadcast(self, tensors, opts=None):
+        if len(tensors) != 1 or not tensors[0].is_contiguous():
+            return self._gloo().broadcast(tensors, opts)
+        root = opts.rootRank if opts is not None else 0
+        flat = _bytes(tensors[0])
+        return _Work(lambda: self._broadcast(flat, root))
+
+    def _broadcast(self, flat: torch.Tensor, root: int) -> None:
+        n, me = self.size, self.rank
+        count = flat.numel()
+        for start in range(0, count, self.chunk_bytes):
+            length = min(self.chunk_bytes, count - start)
+            slots = self._buffer(torch.uint8)
+            if me == root:
+                slots[n, :length].copy_(flat[start:start + length])
+            self._sync("broadcast")
+            if me != root:
+                flat[start:start + length].copy_(slots[n, :length])
+
+    def allgather(self, output_lists, inputs):
+        outs = output_lists[0] if len(output_lists) == 1 else None
+        if (outs is None or len(inputs) != 1 or len(outs) != self.size
+                or not all(t.is_contiguous() for t in [inputs[0], *outs])):
+            return self._gloo().allgather(output_lists, inputs)
+        mine = _bytes(inputs[0])
+        targets = [_bytes(t) for t in outs]
+        return _Work(lambda: self._allgather(mine, targets))
+
+    def _allgather(self, mine: torch.Tensor, targets: List[torch.Tensor]) -> None:
+        n, me = self.size, self.rank
+        count = mine.numel()
+        targets[me].copy_(mine)
+        for start in range(0, count, self.chunk_bytes):
+            length = min(self.chunk_bytes, count - start)
+            slots = self._buffer(torch.uint8)
+            slots[me, :length].copy_(mine[start:start + length])
+            self._sync("allgather")
+            for m in range(n):
+                if m != me:
+                    targets[m][start:start + length].copy_(slots[m, :length])
+
+    def alltoall_base(self, output, source, output_split_sizes, input_split_sizes, opts=None):
+        if not (output.is_contiguous() and source.is_contiguous()):
+            return self._gloo().alltoall_base(output, source, output_split_sizes,
+                                              input_split_sizes)
+        shape = output.shape[1:] if output.dim() else ()
+        row = output.element_size()
+        for d in shape:
+            row *= d
+        sends = list(input_split_sizes)
+        return _Work(lambda: self._alltoall(_bytes(output), _bytes(source), sends, row))
+
+    def _alltoall(self, out: torch.Tensor, src: torch.Tensor, sends: List[int],
+                  row: int) -> None:
+        n, me = self.size, self.rank
+        self._buffer(torch.uint8)  # the counts travel in the header, alternating like data
+        meta = self.meta[self._step & 1]
+        meta[me].copy_(torch.tensor(sends, dtype=torch.int64))
+        self._sync("alltoall")
+        rows = meta.tolist()  # rows[i][j]: rows member i sends to member j
+        send_off = [[0] * (n + 1) for _ in range(n)]
+        for i in range(n):
+            for j in range(n):
+                send_off[i][j + 1] = send_off[i][j] + rows[i][j] * row
+        recv_off = [0] * (n + 1)
+        for i in range(n):
+            recv_off[i + 1] = recv_off[i] + rows[i][me] * row
+        longest = max(send_off[i][n] for i in range(n))
+        for start in range(0, longest, self.chunk_bytes):
+            end = start + self.chunk_bytes
+            slots = self._buffer(torch.uint8)
+            mine = min(end, send_off[me][n])
+            if mine > start:
+                slots[me, :mine - start].copy_(src[start:mine])
+            self._sync("alltoall")
+            for i in range(n):
+                lo = max(start, send_off[i][me])
+                hi = min(end, send_off[i][me + 1])
+                if hi > lo:
+                    at = recv_off[i] + lo - send_off[i][me]
+                    out[at:at + hi - lo].copy_(slots[i, lo - start:hi - start])
+
+    def barrier(self, opts=None):
+        def run():
+            self._buffer(torch.uint8)
+            self._sync("barrier")
+        return _Work(run)
+
+    def __getattr__(self, name):
+        # send/recv (Adasum), and whatever else: the Gloo group's.
+        return getattr(self._gloo(), name)
+
+    def shutdown(self) -> None:
+        # Drop the callbacks into the process set: they close a reference cycle
+        # that would keep its Gloo sockets open until the cyclic GC runs.
+        self._gloo = self.abandon = _closed
+        segment = self.__dict__.get("segment")
+        if segment is None:
+            return
+        self.segment = None
+        self._views.clear()
+        self.data = self.meta = None
+        segment.close()
+
+
+def for_set(settings_: Settings, store, rank: int, ranks: Sequence[int],
+            gloo: Callable[[], object], abandon: Callable[[], Optional[BaseException]]):
+    """The CPU data plane of a process set: shared memory when every member is on this host.
+
+    Collective over the set's members (each publishes its host in the set's
+    store). Returns None -- the set keeps Gloo -- when its members span hosts.
+    """
+    import torch.distributed as dist_
+
+    store = dist_.PrefixStore("shm/", store)
+    local = host_members(store, settings_, rank, len(ranks))
+    if len(local) != len(ranks):
+        return None
+    return ShmDataGroup(settings_, store, rank, len(ranks), ranks, gloo, abandon)

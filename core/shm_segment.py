@@ -1,0 +1,266 @@
+"""A shared-memory segment of the ranks of one host, and how they wait on each other.
+
+Life cycle: the lowest member rank on the host creates ``/dev/shm/<name>``
+(``O_EXCL``, mode 0600, pages reserved up front with ``posix_fallocate`` so a
+full tmpfs is an error at creation instead of a ``SIGBUS`` later), the others
+open it (checking that it belongs to their user and has the expected size),
+and as soon as every member has mapped it, every member unlinks the name.
+From then on the memory lives only as long as some member keeps it mapped:
+however the job ends -- a clean shutdown, a rank killed by ``SIGKILL``, the
+launcher killed -- nothing is left behind in ``/dev/shm``. Only a crash of
+*every* member in the few milliseconds between creation and attachment
+leaves the name; it starts with the job's tag, so the launcher sweeps it.
+
+Synchronisation uses one 32-bit counter per member, written only by that
+member (no atomic read-modify-write is ever needed): arriving at the k-th
+sync point stores ``k``; waiting for the others means waiting until every
+counter has reached ``k``. A waiter spins a few microseconds, then sleeps in
+the kernel on the peer's counter with ``futex(FUTEX_WAIT)`` (through ctypes,
+the GIL released), and an arriving member wakes sleepers with
+``futex(FUTEX_WAKE)``: an idle or late peer costs no CPU, which matters on a
+host with more ranks than cores. Where futex is unavailable, waiting falls
+back to naps that grow to 1 ms.
+
+Ordering: counters and data are plain stores. x86-64 keeps stores in program
+order and loads in program order, so data written before a counter is seen
+by a peer that has seen the counter; a system call (futex) is a full barrier
+on the other architectures Linux runs on.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import hmac
+import mmap
+import os
+import platform
+import stat
+import time
+from typing import Callable, List
+
+from .errors import HvdlikeInternalError
+
+SHM_DIR = "/dev/shm"
+NAME_PREFIX = "hvdlike-"
+LINE = 64  # bytes: each member's counter sits on its own cache line
+_WORDS_PER_LINE = LINE // 4
+_SPINS = 20  # counter reads before sleeping (a few microseconds)
+_SLICE_SECONDS = 0.1  # longest single sleep: how often liveness is checked
+
+_SYS_FUTEX = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98, "ppc64le": 221,
+              "s390x": 238, "riscv64": 98}.get(platform.machine().lower())
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # not the PRIVATE variants: the word is shared
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def _libc():
+    if _SYS_FUTEX is None or platform.system() != "Linux":
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.syscall.restype = ctypes.c_long
+        return libc
+    except OSError:
+        return None
+
+
+_LIBC = _libc()
+
+
+def job_tag(secret: str) -> str:
+    """The job's public tag (starts segment names), one-way from the secret."""
+    try:
+        from .job_secret import job_tag as derived  # the store layer's derivation
+    except ImportError:
+        digest = hmac.new(secret.encode(), b"hvdlike derive\0job tag", hashlib.sha256)
+        return digest.hexdigest()[:16]
+    return derived(secret)
+
+
+def segment_path(name: str) -> str:
+    return os.path.join(SHM_DIR, name)
+
+
+def sweep(tag: str) -> List[str]:
+    """Remove segments whose name starts with the job's tag; return the removed names."""
+    removed = []
+    start = f"{NAME_PREFIX}{tag}-"
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return removed
+    for name in names:
+        if name.startswith(start):
+            try:
+                os.unlink(segment_path(name))
+                removed.append(name)
+            except OSError:
+                pass
+    return removed
+
+
+class Segment:
+    """One mapped segment: a header of counters, then the data area.
+
+    Args:
+        mm: the mapping.
+        members: number of members on this host.
+        me: this process's index among them.
+        header_bytes: bytes before the data area.
+    """
+
+    def __init__(self, mm: mmap.mmap, members: int, me: int, header_bytes: int):
+        self.mm = mm
+        self.members = members
+        self.me = me
+        self.header_bytes = header_bytes
+        words = (ctypes.c_int32 * (header_bytes // 4)).from_buffer(mm)
+        self.words = words
+        self.base = ctypes.addressof(words)
+        self.count = 0  # sync points passed by this member
+        self.pids: List[int] = []
+
+    # -- creation --------------------------------------------------------------------
+
+    @staticmethod
+    def create(name: str, size: int) -> mmap.mmap:
+        path = segment_path(name)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as exc:
+                raise HvdlikeInternalError(
+                    f"cannot reserve {size} bytes of shared memory in {SHM_DIR} for {name}: "
+                    f"{exc.strerror} (free space in {SHM_DIR}, or set HVDLIKE_SHM=0)") from None
+            return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            unlink(name)
+            raise
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def open(name: str, size: int) -> mmap.mmap:
+        path = segment_path(name)
+        fd = os.open(path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
+        try:
+            info = os.fstat(fd)
+            if info.st_uid != os.getuid() or stat.S_IMODE(info.st_mode) & 0o077:
+                raise HvdlikeInternalError(
+                    f"shared-memory segment {path} is not owned by this user with mode 0600; "
+                    "refusing to use it")
+            if info.st_size != size:
+                raise HvdlikeInternalError(
+                    f"shared-memory segment {path} has {info.st_size} bytes, expected {size}")
+            return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+
+    # -- counters --------------------------------------------------------------------
+
+    def _word(self, member: int, slot: int = 0) -> int:
+        return member * _WORDS_PER_LINE + slot
+
+    def publish(self, slot: int, value: int) -> None:
+        """Set one of this member's own header words (slot 1..15; 0 is the counter)."""
+        self.words[self._word(self.me, slot)] = value
+
+    def read(self, member: int, slot: int) -> int:
+        return self.words[self._word(member, slot)]
+
+    def arrive(self) -> int:
+        """Mark this member as having reached the next sync point; return its number."""
+        self.count = (self.count + 1) & 0x7FFFFFFF
+        index = self._word(self.me)
+        self.words[index] = self.count
+        if _LIBC is not None:
+            _LIBC.syscall(_SYS_FUTEX, ctypes.c_void_p(self.base + 4 * index), _FUTEX_WAKE,
+                          0x7FFFFFFF, None, None, 0)
+        return self.count
+
+    def wait_all(self, check: Callable[[List[int]], None]) -> None:
+        """Wait until every member has arrived at this member's last sync point.
+
+        ``check(missing)`` runs about every 0.1 s while some members are missing;
+        it raises to give up (the job failed, a member died, the deadline passed).
+        """
+        target = self.count
+        words = self.words
+        for member in range(self.members):
+            if member == self.me:
+                continue
+            index = self._word(member)
+            spins = 0
+            nap = 20e-6
+            next_check = 0.0
+            # Arrived, or already past: a peer is at most one sync point ahead.
+            while ((words[index] - target) & 0x7FFFFFFF) >= (1 << 30):
+                spins += 1
+                if spins <= _SPINS:
+                    continue
+                now = time.monotonic()
+                if now >= next_check:
+                    if next_check:
+                        check(self._missing(target))
+                    next_check = now + _SLICE_SECONDS
+                value = words[index]
+                if _LIBC is not None:
+                    ts = _Timespec(0, int(_SLICE_SECONDS * 1e9))
+                    _LIBC.syscall(_SYS_FUTEX, ctypes.c_void_p(self.base + 4 * index),
+                                  _FUTEX_WAIT, ctypes.c_int32(value), ctypes.byref(ts), None, 0)
+                else:
+                    time.sleep(nap)
+                    nap = min(nap * 2, 1e-3)
+
+    def _missing(self, target: int) -> List[int]:
+        out = []
+        for member in range(self.members):
+            value = self.words[self._word(member)]
+            if ((value - target) & 0x7FFFFFFF) >= (1 << 30):
+                out.append(member)
+        return out
+
+    def close(self) -> None:
+        self.words = None
+        try:
+            self.mm.close()
+        except BufferError:  # a tensor view is still alive: the GC unmaps it later
+            pass
+
+
+def unlink(name: str) -> None:
+    try:
+        os.unlink(segment_path(name))
+    except OSError:
+        pass
+
+
+def process_gone(pid: int) -> bool:
+    """True when ``pid`` has exited (or is a zombie waiting to be reaped)."""
+    if pid <= 0:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[-1].split()
+        return bool(fields) and fields[0] in (b"Z", b"X")
+    except FileNotFoundError:
+        return True
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except OSError:
+            pass
+        return False
+
+
+def header_bytes(members: int, extra_per_member: int = 0) -> int:
+    need = members * LINE + members * extra_per_member
+    return (need + 4095) // 4096 * 4096
+

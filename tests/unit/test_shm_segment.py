@@ -1,0 +1,93 @@
+"""Shared-memory segments: owner-only creation, refusal of foreign segments, naming, sweep."""
+
+import os
+import secrets
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from hvdlike.core import bootstrap, config, shm_plane, shm_segment
+from hvdlike.core.errors import HvdlikeInternalError
+
+
+def _name():
+    return f"{shm_segment.NAME_PREFIX}unit-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def test_created_owner_only_and_reserved():
+    name = _name()
+    mm = shm_segment.Segment.create(name, 8192)
+    try:
+        info = os.stat(shm_segment.segment_path(name))
+        assert stat.S_IMODE(info.st_mode) == 0o600
+        assert info.st_uid == os.getuid() and info.st_size == 8192
+        with pytest.raises(FileExistsError):
+            shm_segment.Segment.create(name, 8192)  # never reuses a name that exists
+    finally:
+        shm_segment.unlink(name)
+        mm.close()
+    assert not os.path.exists(shm_segment.segment_path(name))
+
+
+def test_open_refuses_a_segment_others_can_read_or_of_the_wrong_size():
+    name = _name()
+    path = shm_segment.segment_path(name)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        os.fchmod(fd, 0o644)
+        os.ftruncate(fd, 4096)
+        with pytest.raises(HvdlikeInternalError, match="mode 0600"):
+            shm_segment.Segment.open(name, 4096)
+        os.fchmod(fd, 0o600)
+        with pytest.raises(HvdlikeInternalError, match="expected 8192"):
+            shm_segment.Segment.open(name, 8192)
+        shm_segment.Segment.open(name, 4096).close()
+    finally:
+        os.close(fd)
+        shm_segment.unlink(name)
+
+
+def test_sweep_removes_only_the_jobs_names():
+    tag = secrets.token_hex(8)
+    mine = f"{shm_segment.NAME_PREFIX}{tag}-1-1-aa"
+    other = f"{shm_segment.NAME_PREFIX}{secrets.token_hex(8)}-1-1-aa"
+    for name in (mine, other):
+        shm_segment.Segment.create(name, 4096).close()
+    try:
+        assert shm_segment.sweep(tag) == [mine]
+        assert os.path.exists(shm_segment.segment_path(other))
+    finally:
+        shm_segment.unlink(other)
+
+
+def test_process_gone_sees_exited_children():
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    assert shm_segment.process_gone(child.pid)
+    assert not shm_segment.process_gone(os.getpid())
+
+
+def _topo(local_size):
+    return bootstrap.Topology(rank=0, size=4, local_rank=0, local_size=local_size,
+                              hostname="h")
+
+
+def test_settings_name_segments_by_a_one_way_tag_and_honour_the_knob():
+    secret = secrets.token_hex(16)
+    rdzv = bootstrap.Rendezvous(launcher="x", addr="127.0.0.1", port=1, secret=secret)
+    got = shm_plane.settings(config.load({}), _topo(2), rdzv)
+    assert got is not None and secret not in got.tag and len(got.tag) == 16
+    assert got.tag == shm_plane.job_tag(secret)
+    assert shm_plane.settings(config.load({"HVDLIKE_SHM": "0"}), _topo(2), rdzv) is None
+    assert shm_plane.settings(config.load({}), _topo(1), rdzv) is None  # nobody to share with
+
+
+def test_launcher_flag_turns_it_off():
+    from hvdlike.launcher import cli
+    from hvdlike.launcher.launch_config import knob_environment
+
+    args = cli.build_parser().parse_args(["-np", "2", "--no-shm", "python", "x.py"])
+    values = {k[len("knob_"):]: v for k, v in vars(args).items() if k.startswith("knob_")}
+    assert knob_environment(values)["HVDLIKE_SHM"] == "0"
