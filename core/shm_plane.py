@@ -86,17 +86,19 @@ def _boot_id() -> str:
 
 
 def settings(cfg, topology, rendezvous) -> Optional[Settings]:
-    """The plane's settings for this runtime, or None when it cannot help.
+    """The plane's settings for this runtime, or None when it is off for the whole job.
 
-    None when ``HVDLIKE_SHM=0``, when no two ranks of the job share this host,
-    or when the host has no ``/dev/shm``.
+    Only job-wide facts decide (``HVDLIKE_SHM``, the job size, the secret): every
+    member of a set must take part in the host exchange of :func:`for_set`, or
+    those who do would wait for those who do not. A host without ``/dev/shm``
+    takes part under a host name nobody else has.
     """
-    if not cfg.shm or topology.size < 2 or topology.local_size < 2:
+    if not cfg.shm or topology.size < 2 or not rendezvous.secret:
         return None
-    if not os.path.isdir(shm_segment.SHM_DIR) or not rendezvous.secret:
-        return None
-    return Settings(tag=job_tag(rendezvous.secret),
-                    host=f"{topology.hostname}|{_boot_id()}",
+    host = f"{topology.hostname}|{_boot_id()}"
+    if not os.path.isdir(shm_segment.SHM_DIR):
+        host = f"{host}|rank{topology.rank}"  # shares with nobody
+    return Settings(tag=job_tag(rendezvous.secret), host=host,
                     timeout_seconds=cfg.gloo_timeout_seconds,
                     start_timeout_seconds=cfg.start_timeout)
 

@@ -81,7 +81,8 @@ def test_settings_name_segments_by_a_one_way_tag_and_honour_the_knob():
     assert got is not None and secret not in got.tag and len(got.tag) == 16
     assert got.tag == shm_plane.job_tag(secret)
     assert shm_plane.settings(config.load({"HVDLIKE_SHM": "0"}), _topo(2), rdzv) is None
-    assert shm_plane.settings(config.load({}), _topo(1), rdzv) is None  # nobody to share with
+    # Decided on job-wide facts only: every member takes part in the host exchange.
+    assert shm_plane.settings(config.load({}), _topo(1), rdzv) is not None
 
 
 def test_launcher_flag_turns_it_off():
