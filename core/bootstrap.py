@@ -8,71 +8,27 @@ it. Detectors are tried in order; the first that recognises its launcher wins:
 * ``mpirun``/``srun`` (see :mod:`hvdlike.core.mpi_bootstrap`);
 * nothing: a single process job of size 1.
 
-The contract with the launcher is the set of ``ENV_*`` constants; the launcher
-imports them from here rather than spelling them again.
+The contract with the launcher (the ``ENV_*`` names, :class:`Topology`,
+:class:`Rendezvous`) lives in :mod:`.topology`. Every rendezvous leaves here
+with a job secret: the launcher's, the user's ``HVDLIKE_JOB_SECRET``, or one
+shared by rank 0 (see :func:`with_secret`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import os
 import socket
 from typing import Callable, List, Mapping, Optional
 
-from .errors import ConfigError, HvdlikeInternalError
-
-ENV_RANK = "HVDLIKE_RANK"
-ENV_SIZE = "HVDLIKE_SIZE"
-ENV_LOCAL_RANK = "HVDLIKE_LOCAL_RANK"
-ENV_LOCAL_SIZE = "HVDLIKE_LOCAL_SIZE"
-ENV_CROSS_RANK = "HVDLIKE_CROSS_RANK"
-ENV_CROSS_SIZE = "HVDLIKE_CROSS_SIZE"
-ENV_HOSTNAME = "HVDLIKE_HOSTNAME"
-ENV_STORE_ADDR = "HVDLIKE_STORE_ADDR"
-ENV_STORE_PORT = "HVDLIKE_STORE_PORT"
-# Unguessable per-job secret: prefix of every store key and HMAC key of
-# ``hvdlike.run`` payloads. Passed in the environment, never on a command line.
-ENV_JOB_SECRET = "HVDLIKE_JOB_SECRET"
-# Optional: the network interface (or local address) Gloo binds to.
-ENV_GLOO_IFACE = "HVDLIKE_GLOO_IFACE"
-ENV_LAUNCHER = "HVDLIKE_LAUNCHER"
-
-
-@dataclasses.dataclass(frozen=True)
-class Topology:
-    """Where this process sits in the job (Horovod's definitions).
-
-    ``local_*`` count ranks on this host; ``cross_rank`` is the index of this
-    host among hosts that have a rank with the same ``local_rank``, and
-    ``cross_size`` is the number of such hosts.
-    """
-
-    rank: int = 0
-    size: int = 1
-    local_rank: int = 0
-    local_size: int = 1
-    cross_rank: int = 0
-    cross_size: int = 1
-    hostname: str = ""
-
-
-@dataclasses.dataclass(frozen=True)
-class Rendezvous:
-    """How to reach the job's store.
-
-    ``host_store`` means this process must create the store itself (rank 0 of a
-    job whose launcher does not host one). ``addr`` empty and size 1 means an
-    in-process store.
-    """
-
-    launcher: str
-    addr: str = ""
-    port: int = 0
-    secret: str = ""
-    host_store: bool = False
-    gloo_iface: str = ""
-
+from . import mpi_bootstrap, secret_share
+from .errors import ConfigError
+from .log import logger
+from .topology import (  # noqa: F401 - re-exported: the launcher contract lives in topology
+    ENV_CROSS_RANK, ENV_CROSS_SIZE, ENV_GLOO_IFACE, ENV_HOSTNAME, ENV_JOB_SECRET, ENV_LAUNCHER,
+    ENV_LOCAL_RANK, ENV_LOCAL_SIZE, ENV_RANK, ENV_SIZE, ENV_STORE_ADDR, ENV_STORE_PORT,
+    Rendezvous, Topology, local_address_towards,
+)
 
 def _int(environ: Mapping[str, str], name: str) -> int:
     text = environ.get(name)
@@ -96,7 +52,7 @@ def _check(topo: Topology, source: str) -> Topology:
     return topo
 
 
-def from_hvdlike_run(environ: Mapping[str, str]):
+def from_hvdlike_run(environ: Mapping[str, str], start_timeout: float = 60.0):
     if ENV_RANK not in environ:
         return None
     size = _int(environ, ENV_SIZE)
@@ -119,13 +75,13 @@ def from_hvdlike_run(environ: Mapping[str, str]):
         launcher=environ.get(ENV_LAUNCHER, "hvdlike-run"),
         addr=environ.get(ENV_STORE_ADDR, ""),
         port=int(environ.get(ENV_STORE_PORT, "0")),
-        secret=environ.get(ENV_JOB_SECRET, ""),
         gloo_iface=environ.get(ENV_GLOO_IFACE, ""),
     )
-    return topo, rdzv
+    tag = f"{rdzv.launcher}/{rdzv.addr}/{rdzv.port}"
+    return topo, with_secret(rdzv, topo, environ, tag, start_timeout)
 
 
-def from_torchrun(environ: Mapping[str, str]):
+def from_torchrun(environ: Mapping[str, str], start_timeout: float = 60.0):
     if "TORCHELASTIC_RUN_ID" not in environ and not (
         "RANK" in environ and "WORLD_SIZE" in environ and "MASTER_ADDR" in environ
     ):
@@ -147,24 +103,59 @@ def from_torchrun(environ: Mapping[str, str]):
     )
     run_id = environ.get("TORCHELASTIC_RUN_ID", "none")
     restart = environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    port = _int(environ, "MASTER_PORT")
+    tag = f"torchrun/{run_id}/{restart}/{port}"
     rdzv = Rendezvous(
         launcher="torchrun",
         addr=environ.get("MASTER_ADDR", "127.0.0.1"),
-        port=_int(environ, "MASTER_PORT"),
-        secret=f"torchrun-{run_id}-{restart}",
+        port=port,
         gloo_iface=environ.get(ENV_GLOO_IFACE, ""),
     )
-    return topo, rdzv
+    return topo, with_secret(rdzv, topo, environ, tag, start_timeout)
 
 
-def single_process(environ: Mapping[str, str]):
+def single_process(environ: Mapping[str, str], start_timeout: float = 60.0):
     return Topology(hostname=socket.gethostname()), Rendezvous(launcher="none")
 
 
-def _mpi_or_slurm(environ: Mapping[str, str]):
-    from . import mpi_bootstrap  # only touches mpi4py when an MPI/Slurm job is detected
+def _mpi_or_slurm(environ: Mapping[str, str], start_timeout: float = 60.0):
+    found = mpi_bootstrap.detect(environ)  # imports mpi4py only for an MPI job
+    if found is None:
+        return None
+    topo, rdzv = found
+    if rdzv.launcher == "srun":  # no private channel: a shared file or the user's secret
+        tag = f"srun/{environ.get('SLURM_JOB_ID', '0')}/{environ.get('SLURM_STEP_ID', '0')}"
+        rdzv = with_secret(rdzv, topo, environ, tag, start_timeout)
+    elif environ.get(ENV_JOB_SECRET):  # the user's secret wins over the broadcast one
+        rdzv = dataclasses.replace(rdzv, secret=environ[ENV_JOB_SECRET])
+    return topo, rdzv
 
-    return mpi_bootstrap.detect(environ)
+
+def with_secret(rdzv: Rendezvous, topo: Topology, environ: Mapping[str, str], tag: str,
+                start_timeout: float) -> Rendezvous:
+    """Give a torchrun/srun rendezvous its secret.
+
+    ``HVDLIKE_JOB_SECRET`` when the user set one; else, when every rank is on one
+    host, a fresh random secret rank 0 shares through an owner-only file; else
+    (several hosts, no channel) a public name: the store is then namespaced but
+    not authenticated, and rank 0 says so.
+    """
+    given = environ.get(ENV_JOB_SECRET, "")
+    if given:
+        return dataclasses.replace(rdzv, secret=given)
+    if topo.size == 1:
+        return dataclasses.replace(rdzv, secret=secret_share.new_secret())
+    if topo.local_size == topo.size:
+        secret = (secret_share.publish(tag) if topo.rank == 0
+                  else secret_share.receive(tag, start_timeout))
+        return dataclasses.replace(rdzv, secret=secret, secret_file_tag=tag)
+    if topo.rank == 0:
+        logger.warning(
+            "%s started this job on several hosts without %s: its rendezvous store is not "
+            "authenticated, so anyone who can reach %s:%d can disturb the job. Set %s to "
+            "the same random value on every rank (docs/security.md).",
+            rdzv.launcher, ENV_JOB_SECRET, rdzv.addr, rdzv.port, ENV_JOB_SECRET)
+    return dataclasses.replace(rdzv, secret=f"public/{tag}", authenticated=False)
 
 
 DETECTORS: List[Callable[[Mapping[str, str]], Optional[tuple]]] = [
@@ -175,66 +166,16 @@ DETECTORS: List[Callable[[Mapping[str, str]], Optional[tuple]]] = [
 ]
 
 
-def detect(environ: Optional[Mapping[str, str]] = None):
-    """Return ``(Topology, Rendezvous)`` for this process."""
+def detect(environ: Optional[Mapping[str, str]] = None, start_timeout: float = 60.0):
+    """Return ``(Topology, Rendezvous)`` for this process.
+
+    Args:
+        environ: the process environment (default ``os.environ``).
+        start_timeout: how long a rank may wait for rank 0 to share the secret.
+    """
     environ = os.environ if environ is None else environ
     for detector in DETECTORS:
-        found = detector(environ)
+        found = detector(environ, start_timeout)
         if found is not None:
             return found
     raise AssertionError("single_process always detects")  # pragma: no cover
-
-
-def local_address_towards(addr: str, port: int) -> str:
-    """The local IP this host uses to reach ``addr`` (no packet is sent)."""
-    try:
-        family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-        with socket.socket(family, socket.SOCK_DGRAM) as probe:
-            probe.connect((addr, port or 9))
-            return probe.getsockname()[0]
-    except OSError:
-        return ""
-
-
-# The store server this process hosts, by (addr, port): further connect_store()
-# calls of the hosting rank join it as clients instead of binding the port again.
-# Held strongly (wrappers such as PrefixStore keep only the C++ object alive);
-# hosting a new one releases the previous, so re-inits never pile servers up.
-_hosted: dict = {}
-
-
-def release_hosted_store() -> None:
-    """Drop the store server this process hosts (call once its runtime has shut down)."""
-    _hosted.clear()
-
-
-def connect_store(topo: Topology, rdzv: Rendezvous, timeout_seconds: float):
-    """Connect to (or host) the job's store; return it wrapped in the job prefix.
-
-    May be called several times per process (one connection per user); only the
-    first call of the hosting rank creates the server.
-    """
-    import torch.distributed as dist
-
-    timeout = datetime.timedelta(seconds=timeout_seconds)
-    if topo.size == 1 and not rdzv.addr:
-        return dist.HashStore()
-    host = rdzv.host_store and topo.rank == 0 and (rdzv.addr, rdzv.port) not in _hosted
-    try:
-        store = dist.TCPStore(
-            rdzv.addr,
-            rdzv.port,
-            topo.size,
-            host,
-            timeout=timeout,
-            wait_for_workers=False,
-        )
-        if host:
-            _hosted.clear()
-            _hosted[(rdzv.addr, rdzv.port)] = store
-    except Exception as exc:  # torch raises RuntimeError/DistStoreError/TimeoutError
-        raise HvdlikeInternalError(
-            f"rank {topo.rank} could not reach the rendezvous store at "
-            f"{rdzv.addr}:{rdzv.port} within {timeout_seconds:g}s ({rdzv.launcher}): {exc}"
-        ) from None
-    return dist.PrefixStore(f"hvdlike/{rdzv.secret}/", store)

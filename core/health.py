@@ -24,6 +24,7 @@ import time
 from typing import Callable, Dict, List, Optional
 
 from .errors import StallError
+from .store_auth import StoreTamperedError
 from .log import logger
 
 MAX_NAMES = 8  # per report line; the rest is summarised as a count
@@ -79,6 +80,10 @@ class Health:
         while not self._stop.wait(self.interval):
             try:
                 self._tick()
+            except StoreTamperedError as exc:  # fail closed: the record is not used
+                if not self._aborted:
+                    self._aborted = True
+                    self._on_abort(exc)
             except Exception as exc:  # store gone: the failing collective will say so
                 logger.debug("health check skipped: %s", exc)
 
@@ -206,6 +211,8 @@ class Health:
             before = self._counters()
             time.sleep(wait)
             after = self._counters()
+        except StoreTamperedError as exc:
+            return str(exc)
         except Exception as exc:
             return (f"the rendezvous store is unreachable ({exc}); the launcher, or rank 0 "
                     f"if it hosted the store, is gone")
@@ -217,6 +224,9 @@ class Health:
                 said = self._read(f"health/shutdown/{r}")
                 left = self._read(f"health/bye/{r}") is not None
                 host = self.host(r)
+            except StoreTamperedError as exc:
+                parts.append(str(exc))
+                continue
             except Exception:
                 said, left, host = None, False, "unknown host"
             if said is not None:

@@ -3,7 +3,7 @@
 Those launchers tell each process its rank and size, but host no rendezvous
 store. Rank 0 hosts one (``Rendezvous.host_store``) on a free port; every rank
 learns its address and a fresh job secret through ``mpi4py`` (imported only when
-such a job is detected). Under ``srun`` without MPI, the first node of the step
+such a job is detected); the store listens on that address only. Under ``srun`` without MPI, the first node of the step
 hosts the store on a port derived from the job and step ids (or
 ``MASTER_ADDR``/``MASTER_PORT`` when set).
 
@@ -18,53 +18,15 @@ import importlib.util
 import os
 import random
 import re
-import secrets
 import socket
 import sys
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from .bootstrap import ENV_GLOO_IFACE, Rendezvous, Topology, local_address_towards
 from .errors import ConfigError
-
-
-def topologies(host_of_rank: Sequence[str]) -> List[Topology]:
-    """Horovod's topology of every rank, given the host each rank runs on.
-
-    ``local_rank`` is the index of a rank among the ranks of its host;
-    ``cross_rank`` is the index of its host among the hosts that have a rank with
-    the same ``local_rank`` (hosts ordered by first appearance), and
-    ``cross_size`` the number of such hosts.
-
-    Args:
-        host_of_rank: host name of rank 0, 1, ... in rank order.
-
-    Returns:
-        One :class:`Topology` per rank, in rank order.
-
-    Example:
-        >>> [t.cross_rank for t in topologies(["a", "a", "b"])]
-        [0, 0, 1]
-    """
-    ranks_on: Dict[str, List[int]] = {}
-    for rank, host in enumerate(host_of_rank):
-        ranks_on.setdefault(host, []).append(rank)
-    hosts = list(ranks_on)
-    result = []
-    for rank, host in enumerate(host_of_rank):
-        local_rank = ranks_on[host].index(rank)
-        peers = [h for h in hosts if len(ranks_on[h]) > local_rank]
-        result.append(
-            Topology(
-                rank=rank,
-                size=len(host_of_rank),
-                local_rank=local_rank,
-                local_size=len(ranks_on[host]),
-                cross_rank=peers.index(host),
-                cross_size=len(peers),
-                hostname=host,
-            )
-        )
-    return result
+from .job_secret import new_secret
+from .topology import (  # noqa: F401 - topologies re-exported for older imports
+    ENV_GLOO_IFACE, Rendezvous, Topology, local_address_towards, topologies,
+)
 
 
 # (name, rank variable, size variable) of each MPI, in detection order. Local and
@@ -213,7 +175,7 @@ def _from_mpi(environ: Mapping[str, str], name: str, rank_var: str, size_var: st
     offer = None
     if rank == 0:
         addr = choose_store_address(peers)
-        offer = (addr, _free_port(addr), secrets.token_hex(16))
+        offer = (addr, _free_port(addr), new_secret())
     addr, port, secret = comm.bcast(offer, root=0)
     return topo, Rendezvous(launcher=name, addr=addr, port=port, secret=secret,
                             host_store=rank == 0, gloo_iface=gloo_iface)
@@ -294,8 +256,8 @@ def _from_slurm(environ: Mapping[str, str]):
         # Below the usual ephemeral range (see _free_port), stable for the whole step.
         port = 20000 + (int(job) * 131 + int(step)) % 12000 if job.isdigit() and step.isdigit() \
             else 29500
-    return topo, Rendezvous(launcher="srun", addr=addr, port=port,
-                            secret=f"slurm-{job}-{step}", host_store=rank == 0,
+    # The secret is filled in by bootstrap.with_secret (srun has no private channel).
+    return topo, Rendezvous(launcher="srun", addr=addr, port=port, host_store=rank == 0,
                             gloo_iface=environ.get(ENV_GLOO_IFACE, ""))
 
 

@@ -22,6 +22,7 @@ from .messages import OpType
 from .executor import Executor
 from .handles import Handle, finish_many
 from .health import Health
+from .job_store import JobStore
 from .log import configure as configure_logging, logger
 from .tensor_queue import Entry, TensorQueue
 from .transport import GlooControlPlane, Groups
@@ -125,7 +126,7 @@ class Runtime:
         global _generation
         environ = os.environ if environ is None else environ
         cfg = config_mod.load(environ, **overrides)
-        topology, rendezvous = bootstrap.detect(environ)
+        topology, rendezvous = bootstrap.detect(environ, cfg.start_timeout)
         configure_logging(cfg.log_level_number, topology.rank)
         runtime = cls(cfg, topology, rendezvous)
         with _generation_lock:
@@ -136,7 +137,8 @@ class Runtime:
         from .elastic.protocol import store_prefix
 
         prefix = store_prefix(environ, generation)  # elastic: the launcher's generation
-        base = bootstrap.connect_store(topology, rendezvous, cfg.start_timeout)
+        runtime.job_store = JobStore(topology, rendezvous, cfg.start_timeout)
+        base = runtime.job_store.connect()
         runtime.store = dist.PrefixStore(prefix, base)
         local_addr = rendezvous.gloo_iface
         if not local_addr:
@@ -153,13 +155,15 @@ class Runtime:
         runtime.shm = shm_plane.settings(cfg, topology, rendezvous)
         try:
             runtime.add_process_set(0, range(topology.size))
+            runtime.job_store.joined()
         except Exception as exc:
+            runtime.job_store.close()
             raise HvdlikeInternalError(
                 f"rank {topology.rank} could not connect to the other {topology.size - 1} "
                 f"rank(s) (Gloo on {local_addr or 'default interface'}): {exc}") from None
         if topology.size > 1:
             health_store = dist.PrefixStore(
-                prefix, bootstrap.connect_store(topology, rendezvous, cfg.start_timeout))
+                prefix, runtime.job_store.connect())
             runtime.health = Health(health_store, topology.rank, topology.size,
                                     topology.hostname, cfg, runtime._waiting_since,
                                     runtime._set_fatal, runtime._members)
@@ -182,6 +186,7 @@ class Runtime:
                 state.close()
             if getattr(runtime, "health", None) is not None:
                 runtime.health.close(clean=True)
+            runtime.job_store.close()
             raise
         if topology.rank == 0:
             logger.info("hvdlike started: %d rank(s), launcher %s, settings:\n%s",
@@ -306,7 +311,7 @@ class Runtime:
             self.process_sets = {}
             self.health = None
             self.store = None
-            bootstrap.release_hosted_store()  # a store this rank hosted (mpirun, srun)
+            self.job_store.close()  # a store this rank hosted (mpirun, srun)
 
     def abort(self, reason: str) -> None:
         """Stop at once without negotiating (this process is going down).

@@ -21,7 +21,7 @@ from .hosts import HostSlots, parse_hosts
 from .job import Job
 from .launch_config import LaunchConfig, SshOptions, effective_settings, knob_environment
 from .monitor import describe_exit
-from .payload import PAYLOAD_KEY, PayloadError, result_key, seal, unseal
+from .payload import MAX_BLOB_BYTES, PAYLOAD_KEY, PayloadError, result_key, seal, unseal
 
 TASK_MODULE = "hvdlike.launcher.task"
 
@@ -134,14 +134,19 @@ def run(
     config.ssh.connect_timeout = min(10.0, config.start_timeout)
     job = Job(config)
     with job:
-        store = job.store.client()
+        store = job.store.client(MAX_BLOB_BYTES)
         store.set(PAYLOAD_KEY, seal(job.secret, "payload", (fn, tuple(args), dict(kwargs or {}))))
         result = job.run()
         outcomes = {}
         for placement in job.placements:
             key = result_key(placement.rank)
             if store.check([key]):
-                outcomes[placement.rank] = store.get(key)
+                try:
+                    outcomes[placement.rank] = store.get(key)
+                except HvdlikeError as exc:  # StoreTamperedError: never unpickled
+                    raise RankError(f"rank {placement.rank} returned a result that failed "
+                                    f"authentication: {exc}", placement.rank,
+                                    placement.host) from None
     return _collect(job, result, outcomes)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from typing import Dict, Mapping
 
-from hvdlike.core.bootstrap import (
+from hvdlike.core.topology import (
     ENV_CROSS_RANK,
     ENV_CROSS_SIZE,
     ENV_GLOO_IFACE,

@@ -11,8 +11,7 @@ import dataclasses
 import re
 from typing import List, Optional, Sequence
 
-from hvdlike.core.bootstrap import Topology
-from hvdlike.core.mpi_bootstrap import topologies
+from hvdlike.core.topology import Topology, topologies
 
 from .errors import LaunchError
 

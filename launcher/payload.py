@@ -4,7 +4,9 @@ Unpickling runs code, so nothing is unpickled unless it carries an HMAC-SHA256
 under the job secret. The MAC covers a purpose label (``payload``, or
 ``result/<rank>``) as well as the bytes, so a result cannot pose as the payload
 or as another rank's result, and a blob sealed for one job (one secret) is
-refused by every other job. Blobs live in the job's store under the job prefix.
+refused by every other job. Blobs travel through the job's authenticated store
+view (keys under the derived prefix, values signed again there, bound to their
+key), and the MAC key is derived from the secret, never the secret itself.
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ import hmac
 from typing import Any
 
 PAYLOAD_KEY = "launcher/run/payload"
+# The largest payload or result the store carries for hvdlike.run; a reader
+# refuses anything bigger before checking or unpickling it.
+MAX_BLOB_BYTES = 1 << 30
 VERSION = b"hvdlike.run/1"
 
 
@@ -26,8 +31,10 @@ def result_key(rank: int) -> str:
 
 
 def _mac(secret: str, purpose: str, data: bytes) -> bytes:
+    from hvdlike.core.job_secret import derive
+
     message = VERSION + b"\0" + purpose.encode() + b"\0" + data
-    return hmac.new(secret.encode(), message, hashlib.sha256).digest()
+    return hmac.new(derive(secret, "hvdlike.run payload"), message, hashlib.sha256).digest()
 
 
 def seal(secret: str, purpose: str, obj: Any) -> bytes:

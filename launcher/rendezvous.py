@@ -2,32 +2,23 @@
 
 The store is a ``torch.distributed.TCPStore`` server listening on a socket the
 launcher binds itself, so it listens only on the chosen address (TCPStore alone
-would listen on every interface). Every key of the job lives under
-``hvdlike/<secret>/``, the prefix the ranks use.
+would listen on every interface). The launcher's own reads and writes go through
+the same authenticated view the ranks use (:mod:`hvdlike.core.store_auth`): keys
+under a prefix derived from the job secret, values signed with it.
 """
 
 from __future__ import annotations
 
 import datetime
 import ipaddress
-import secrets
 import socket
 from functools import lru_cache
 from typing import Iterable, List, Tuple
 
-from hvdlike.core.bootstrap import local_address_towards
+from hvdlike.core.job_secret import new_secret  # noqa: F401 - re-exported for the launcher
+from hvdlike.core.topology import local_address_towards
 
 from .errors import LaunchError
-
-
-def new_secret() -> str:
-    """An unguessable job secret (128 bits, hex)."""
-    return secrets.token_hex(16)
-
-
-def key_prefix(secret: str) -> str:
-    """The store prefix every key of the job lives under (same as the ranks')."""
-    return f"hvdlike/{secret}/"
 
 
 @lru_cache(maxsize=1)
@@ -148,34 +139,24 @@ class StoreServer:
         self.port = 0
 
     def __enter__(self) -> "StoreServer":
-        import torch.distributed as dist
+        from hvdlike.core.job_store import serve  # imports torch
 
-        family = socket.AF_INET6 if ":" in self.addr else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
         try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((self.addr, 0))
-            sock.listen(512)
+            self._store, self.port = serve(self.addr, 0, self._world_size, self._timeout)
         except OSError as exc:
-            sock.close()
             raise LaunchError(f"cannot listen on {self.addr}: {exc.strerror or exc}") from None
-        self.port = sock.getsockname()[1]
-        try:
-            self._store = dist.TCPStore(
-                self.addr, self.port, self._world_size, True, timeout=self._timeout,
-                wait_for_workers=False, master_listen_fd=sock.fileno(),
-            )
         except Exception as exc:  # torch raises RuntimeError or DistError subclasses
-            sock.close()
             raise LaunchError(f"cannot start the rendezvous store on {self.addr}: {exc}") from None
-        sock.detach()  # the store owns the descriptor now and closes it itself
         return self
 
-    def client(self):
-        """A ``PrefixStore`` on this server under the job's key prefix."""
-        import torch.distributed as dist
+    def client(self, max_value_bytes: int = 0):
+        """The job's authenticated view of this server (the launcher's own connection)."""
+        from hvdlike.core.store_auth import AuthenticatedStore
 
-        return dist.PrefixStore(key_prefix(self.secret), self._store)
+        store = AuthenticatedStore(self._store, self.secret)
+        if max_value_bytes:
+            store.max_value_bytes = max_value_bytes
+        return store
 
     def endpoint(self) -> Tuple[str, int]:
         return self.addr, self.port

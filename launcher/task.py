@@ -13,12 +13,11 @@ import os
 import sys
 import traceback
 
-from hvdlike.core.bootstrap import (
+from hvdlike.core.topology import (
     ENV_JOB_SECRET, ENV_RANK, ENV_SIZE, ENV_STORE_ADDR, ENV_STORE_PORT,
 )
 
-from .payload import PAYLOAD_KEY, PayloadError, result_key, seal, unseal
-from .rendezvous import key_prefix
+from .payload import MAX_BLOB_BYTES, PAYLOAD_KEY, PayloadError, result_key, seal, unseal
 
 REFUSED = 3
 
@@ -26,12 +25,14 @@ REFUSED = 3
 def _store(timeout_seconds: float):
     import torch.distributed as dist
 
+    from hvdlike.core.store_auth import AuthenticatedStore
+
     store = dist.TCPStore(
         os.environ[ENV_STORE_ADDR], int(os.environ[ENV_STORE_PORT]),
         int(os.environ[ENV_SIZE]), False,
         timeout=datetime.timedelta(seconds=timeout_seconds),
     )
-    return dist.PrefixStore(key_prefix(os.environ[ENV_JOB_SECRET]), store)
+    return AuthenticatedStore(store, os.environ[ENV_JOB_SECRET], MAX_BLOB_BYTES)
 
 
 def _outcome(fn, args, kwargs):
@@ -55,10 +56,15 @@ def main() -> int:
     rank = int(os.environ.get(ENV_RANK, "0"))
     from hvdlike.core import config
 
+    from hvdlike.core.job_secret import StoreTamperedError
+
+    if not secret:
+        sys.stderr.write(f"hvdlike.run: rank {rank} has no job secret; refusing to run\n")
+        return REFUSED
     store = _store(config.load(os.environ).start_timeout)
     try:
         fn, args, kwargs = unseal(secret, "payload", store.get(PAYLOAD_KEY))
-    except PayloadError as exc:
+    except (PayloadError, StoreTamperedError) as exc:
         sys.stderr.write(f"hvdlike.run: rank {rank} refused its payload: {exc}\n")
         return REFUSED
     outcome = _outcome(fn, args, kwargs)

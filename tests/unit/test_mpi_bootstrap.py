@@ -5,6 +5,7 @@ import sys
 import pytest
 
 from hvdlike.core import bootstrap, mpi_bootstrap
+from hvdlike.core.job_store import JobStore
 from hvdlike.core.errors import ConfigError
 
 
@@ -60,7 +61,19 @@ def test_slurm_topology_and_rendezvous(monkeypatch):
     assert (topo.rank, topo.size, topo.local_rank, topo.local_size) == (5, 6, 1, 2)
     assert (topo.cross_rank, topo.cross_size) == (2, 3)
     assert rdzv.launcher == "srun" and rdzv.addr == "n1" and not rdzv.host_store
-    assert 20000 <= rdzv.port < 32000 and "4242" in rdzv.secret
+    assert 20000 <= rdzv.port < 32000
+
+
+def test_multi_host_slurm_without_a_secret_is_marked_unauthenticated(monkeypatch):
+    monkeypatch.setitem(sys.modules, "mpi4py", None)
+    topo, rdzv = bootstrap.detect(SLURM)
+    assert not rdzv.authenticated and "4242" in rdzv.secret
+
+
+def test_slurm_takes_the_users_secret(monkeypatch):
+    monkeypatch.setitem(sys.modules, "mpi4py", None)
+    topo, rdzv = bootstrap.detect({**SLURM, "HVDLIKE_JOB_SECRET": "mine"})
+    assert rdzv.authenticated and rdzv.secret == "mine"
 
 
 def test_slurm_master_addr_and_port_win():
@@ -92,13 +105,14 @@ def test_hosting_rank_can_connect_to_its_own_store_twice():
     topo = bootstrap.Topology(rank=0, size=2)
     rdzv = bootstrap.Rendezvous(launcher="mpirun (test)", addr="127.0.0.1", port=port,
                                 secret="s", host_store=True)
+    job_store = JobStore(topo, rdzv, 10)
     try:
-        first = bootstrap.connect_store(topo, rdzv, 10)
-        second = bootstrap.connect_store(topo, rdzv, 10)  # joins, does not bind again
+        first = job_store.connect()
+        second = job_store.connect()  # joins, does not bind again
         first.set("k", "v")
         assert second.get("k") == b"v"
     finally:
-        bootstrap.release_hosted_store()
+        job_store.close()
 
 
 def test_open_mpi_ranks_point_mpi4py_at_the_launching_libmpi(tmp_path):

@@ -1,0 +1,121 @@
+"""The job's rendezvous store as one rank sees it: host it or join it.
+
+A :class:`JobStore` belongs to one runtime. When this rank must host the store
+(rank 0 under ``mpirun`` or ``srun``), the first :meth:`JobStore.connect`
+creates the ``TCPStore`` server on a socket bound to the rendezvous address
+only -- ``TCPStore`` alone would listen on every interface -- and later calls
+join it as clients. Every connection is wrapped in
+:class:`~.store_auth.AuthenticatedStore`, so callers only ever see verified
+values under the job's derived key prefix. :meth:`JobStore.close` drops the
+server (and with it every key the job wrote).
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+from typing import Optional
+
+from . import secret_share
+from .errors import HvdlikeInternalError
+from .store_auth import AuthenticatedStore
+from .topology import Rendezvous, Topology
+
+
+def listen_socket(addr: str, port: int = 0, backlog: int = 512) -> socket.socket:
+    """A TCP socket listening on ``addr`` only (``port`` 0: any free port).
+
+    Raises:
+        OSError: the address cannot be bound.
+    """
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((addr, port))
+        sock.listen(backlog)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def serve(addr: str, port: int, world_size: int, timeout: datetime.timedelta):
+    """A ``TCPStore`` server listening on ``addr`` only; returns ``(store, port)``.
+
+    Raises:
+        OSError: the address cannot be bound.
+        RuntimeError: torch could not start the server.
+    """
+    import torch.distributed as dist
+
+    sock = listen_socket(addr, port)
+    port = sock.getsockname()[1]
+    try:
+        store = dist.TCPStore(addr, port, world_size, True, timeout=timeout,
+                              wait_for_workers=False, master_listen_fd=sock.fileno())
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store owns the descriptor now and closes it itself
+    return store, port
+
+
+class JobStore:
+    """Connections of one runtime to the job's store (hosting it when asked)."""
+
+    def __init__(self, topology: Topology, rendezvous: Rendezvous, timeout_seconds: float):
+        self.topology = topology
+        self.rendezvous = rendezvous
+        self.timeout_seconds = timeout_seconds
+        self._server = None  # the TCPStore server this rank hosts, if any
+        self._local = None   # the in-process store of a single-process job
+        # Every view handed out, held strongly: a PrefixStore or process group
+        # keeps only the C++ half of a Python store alive, and the Python half
+        # must outlive them for its methods to be found.
+        self._views = []
+
+    def connect(self) -> AuthenticatedStore:
+        """A new authenticated connection (the first call of the hosting rank serves).
+
+        Raises:
+            HvdlikeInternalError: the store cannot be reached or served in time.
+        """
+        import torch.distributed as dist
+
+        topo, rdzv = self.topology, self.rendezvous
+        timeout = datetime.timedelta(seconds=self.timeout_seconds)
+        secret = rdzv.secret or "single-process"
+        if topo.size == 1 and not rdzv.addr:
+            if self._local is None:
+                self._local = dist.HashStore()
+            return self._keep(AuthenticatedStore(self._local, secret))
+        try:
+            if rdzv.host_store and topo.rank == 0 and self._server is None:
+                self._server, _ = serve(rdzv.addr, rdzv.port, topo.size, timeout)
+                raw = self._server
+            else:
+                raw = dist.TCPStore(rdzv.addr, rdzv.port, topo.size, False,
+                                    timeout=timeout, wait_for_workers=False)
+        except Exception as exc:  # OSError, RuntimeError, DistStoreError, TimeoutError
+            raise HvdlikeInternalError(
+                f"rank {topo.rank} could not reach the rendezvous store at "
+                f"{rdzv.addr}:{rdzv.port} within {self.timeout_seconds:g}s "
+                f"({rdzv.launcher}): {exc}") from None
+        return self._keep(AuthenticatedStore(raw, secret))
+
+    def _keep(self, view: AuthenticatedStore) -> AuthenticatedStore:
+        self._views.append(view)
+        return view
+
+    def close(self) -> None:
+        """Drop the hosted server, the in-process store and any shared secret file."""
+        self.joined()
+        self._server = None
+        self._local = None
+        self._views = []
+
+    def joined(self) -> None:
+        """Every rank has joined: rank 0 removes a secret it shared through a file."""
+        if self.rendezvous.secret_file_tag and self.topology.rank == 0:
+            secret_share.forget(self.rendezvous.secret_file_tag)
