@@ -54,6 +54,7 @@ class Health:
         self._last_stall_report = 0.0
         self._since: Dict[str, float] = {}  # rank 0: name -> when its wait began, our clock
         self._aborted = False
+        self._tampered = False
         self.hosts: Dict[int, str] = {}
         self._store_op(lambda: store.set(f"health/host/{rank}",
                                          f"{hostname} (pid {os.getpid()})"))
@@ -81,8 +82,8 @@ class Health:
             try:
                 self._tick()
             except StoreTamperedError as exc:  # fail closed: the record is not used
-                if not self._aborted:
-                    self._aborted = True
+                if not self._tampered:
+                    self._tampered = self._aborted = True
                     self._on_abort(exc)
             except Exception as exc:  # store gone: the failing collective will say so
                 logger.debug("health check skipped: %s", exc)
@@ -92,8 +93,8 @@ class Health:
         if self.stall_enabled:
             self._publish_waiting()
         if self._store_op(lambda: self.store.check(["health/abort"])) and not self._aborted:
-            self._aborted = True
             message = self._store_op(lambda: self.store.get("health/abort")).decode()
+            self._aborted = True
             self._on_abort(StallError(message))
         if self.rank == 0:
             self._inspect()
@@ -116,7 +117,12 @@ class Health:
 
     def host(self, rank: int) -> str:
         if rank not in self.hosts:
-            raw = self._read(f"health/host/{rank}")
+            try:
+                raw = self._read(f"health/host/{rank}")
+            except StoreTamperedError:
+                return "unknown host (its store record failed authentication)"
+            except Exception:  # the store went away with the job (rank 0 hosted it)
+                return "unknown host"
             if raw is None:
                 return "unknown host"
             self.hosts[rank] = raw.decode()

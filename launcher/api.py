@@ -21,6 +21,7 @@ from .hosts import HostSlots, parse_hosts
 from .job import Job
 from .launch_config import LaunchConfig, SshOptions, effective_settings, knob_environment
 from .monitor import describe_exit
+from .task import REFUSED
 from .payload import MAX_BLOB_BYTES, PAYLOAD_KEY, PayloadError, result_key, seal, unseal
 
 TASK_MODULE = "hvdlike.launcher.task"
@@ -176,9 +177,13 @@ def _collect(job: Job, result, blobs) -> List[Any]:
     if result.failure is not None or len(outcomes) < len(job.placements):
         worker = result.failure or next(w for w in result.workers if w.rank not in outcomes)
         tail = "\n".join(worker.stderr_tail)
+        if worker.exit_code == REFUSED:
+            what = ("refused its payload: it failed authentication, so the job's store was "
+                    "tampered with; nothing was unpickled")
+        else:
+            what = f"{describe_exit(worker.exit_code or 0, worker.remote)} without a result"
         raise RankError(
-            f"rank {worker.rank} (host {worker.host}) "
-            f"{describe_exit(worker.exit_code or 0, worker.remote)} without a result"
+            f"rank {worker.rank} (host {worker.host}) {what}"
             + (f"; last stderr lines:\n{tail}" if tail else ""),
             worker.rank, worker.host)
     return [outcomes[p.rank]["value"] for p in job.placements]
