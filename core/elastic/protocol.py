@@ -10,7 +10,7 @@ the member table of the generation they join. A process started for generation
 Each generation's collectives rendezvous under :func:`store_prefix`, so Gloo
 groups of successive generations never see each other's keys.
 
-The store is the job's own (``bootstrap.connect_store`` on the ranks,
+The store is the job's own (a ``JobStore`` connection on the ranks,
 ``StoreServer.client()`` in the launcher): whatever guards its keys guards these.
 """
 

@@ -34,6 +34,7 @@ class WorkerContext:
         self.wait_seconds = float(self.environ.get(protocol.ENV_TIMEOUT, DEFAULT_WAIT_SECONDS))
         self._connect = connect or self._connect_job_store
         self._store = None
+        self._job_store = None
 
     @property
     def enabled(self) -> bool:
@@ -42,9 +43,11 @@ class WorkerContext:
 
     def _connect_job_store(self):
         from hvdlike.core import bootstrap
+        from hvdlike.core.job_store import JobStore
 
         topology, rendezvous = bootstrap.detect(self.environ)
-        return bootstrap.connect_store(topology, rendezvous, 60.0)
+        self._job_store = JobStore(topology, rendezvous, 60.0)  # keeps its views alive
+        return self._job_store.connect()
 
     @property
     def store(self):
