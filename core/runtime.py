@@ -125,6 +125,9 @@ class Runtime:
         """Bootstrap from ``environ``, register ``process_sets``, start the background thread."""
         global _generation
         environ = os.environ if environ is None else environ
+        from .elastic.worker import enter_generation
+
+        enter_generation(environ)  # elastic jobs: all members present (may move it on)
         cfg = config_mod.load(environ, **overrides)
         topology, rendezvous = bootstrap.detect(environ, cfg.start_timeout)
         configure_logging(cfg.log_level_number, topology.rank)

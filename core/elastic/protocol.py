@@ -35,6 +35,10 @@ def generation_key(number: int) -> str:
     return f"elastic/g{number}/members"
 
 
+def ready_key(number: int, worker: str) -> str:
+    return f"elastic/g{number}/ready/{worker}"
+
+
 def store_prefix(environ: Mapping[str, str], process_generation: int) -> str:
     """The prefix one runtime's keys live under.
 

@@ -90,6 +90,44 @@ class WorkerContext:
                     f"{self.generation} within {self.wait_seconds:g}s")
             sleep(_POLL_SECONDS)
 
+    def enter(self, clock: Callable[[], float] = time.monotonic,
+              sleep: Callable[[float], None] = time.sleep) -> None:
+        """Announce this process in its generation; wait until every member has.
+
+        Members start at different speeds (a new process imports torch, a
+        survivor only re-initializes), so the generation's groups are built only
+        once all are present; the Gloo timeout then bounds the build itself.
+        When the launcher supersedes the generation meanwhile (a member died on
+        its way in), move on to the newest one.
+
+        Raises:
+            HvdlikeInternalError: the members did not all arrive in time.
+            SystemExit: the newest generation leaves this process out (status 0).
+        """
+        deadline = clock() + self.wait_seconds
+        while True:
+            number = self.generation
+            members = self.read(number).members
+            self.store.set(protocol.ready_key(number, self.worker), b"1")
+            keys = [protocol.ready_key(number, w) for w in members]
+            while not self.store.check(keys):
+                latest = self.latest()
+                if latest > number:
+                    break
+                if clock() > deadline:
+                    missing = [w for w in members
+                               if not self.store.check([protocol.ready_key(number, w)])]
+                    raise HvdlikeInternalError(
+                        f"elastic worker {self.worker}: generation {number} members "
+                        f"{', '.join(missing)} did not arrive within {self.wait_seconds:g}s")
+                sleep(_POLL_SECONDS)
+            else:
+                return
+            if not self.join(self.read(latest)):
+                logger.info("elastic worker %s is not part of generation %d; leaving",
+                            self.worker, latest)
+                raise SystemExit(0)
+
     def join(self, generation: protocol.Generation) -> bool:
         """Take this process's place in ``generation``; False if it is not a member."""
         topology = generation.topology_of(self.worker)
@@ -98,6 +136,17 @@ class WorkerContext:
             return False
         self.environ.update(protocol.rank_variables(topology, generation.number))
         return True
+
+
+def enter_generation(environ) -> None:
+    """Called by every ``init()``: in an elastic job, wait for the generation's
+    members (see :meth:`WorkerContext.enter`); otherwise do nothing."""
+    if not environ.get(protocol.ENV_WORKER):
+        return
+    ctx = context()
+    if ctx.environ is not environ:  # a runtime started from an explicit environment
+        ctx = WorkerContext(environ)
+    ctx.enter()
 
 
 _context: Optional[WorkerContext] = None

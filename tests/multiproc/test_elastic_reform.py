@@ -13,6 +13,7 @@ REFORMS = 20
 
 
 def _reform_many(reforms):
+    import os
     import threading
 
     import torch
@@ -21,7 +22,6 @@ def _reform_many(reforms):
     from hvdlike.core.elastic import protocol, worker
 
     torch.set_num_threads(1)
-    hvd.init()
     ctx = worker.context()
     seen = []
 
@@ -32,6 +32,10 @@ def _reform_many(reforms):
         ctx.store.set(protocol.generation_key(number),
                       protocol.Generation(number, table, removed_only=True).encode())
         ctx.store.set(protocol.LATEST_KEY, str(number))
+
+    if os.environ["HVDLIKE_RANK"] == "0":
+        publish(1)
+    hvd.init()  # waits until both members of generation 1 are present
 
     @hvd.elastic.run
     def train(state):

@@ -109,6 +109,42 @@ def test_a_process_left_out_exits_cleanly():
     assert info.value.code == 0
 
 
+def test_enter_waits_for_every_member_then_returns():
+    store = FakeStore()
+    _publish(store, 1, ["w0", "w1"])
+    ctx, _ = _context(store, worker="w1")
+    ticks = []
+
+    def sleep(seconds):
+        ticks.append(seconds)
+        if len(ticks) == 3:
+            store.set(protocol.ready_key(1, "w0"), b"1")  # the slow member arrives
+
+    ctx.enter(sleep=sleep)
+    assert len(ticks) == 3 and store.check([protocol.ready_key(1, "w1")])
+
+
+def test_enter_moves_on_when_the_generation_is_superseded():
+    store = FakeStore()
+    _publish(store, 1, ["w0", "w1"])
+    ctx, env = _context(store, worker="w1")
+
+    def sleep(seconds):  # w0 never arrives; the launcher publishes generation 2
+        _publish(store, 2, ["w1"])
+
+    ctx.enter(sleep=sleep)
+    assert ctx.generation == 2 and env["HVDLIKE_SIZE"] == "1" and env["HVDLIKE_RANK"] == "0"
+
+
+def test_enter_times_out_naming_the_missing_members():
+    store = FakeStore()
+    _publish(store, 1, ["w0", "w1"])
+    ctx, _ = _context(store, worker="w1")
+    ctx.wait_seconds = 0.1
+    with pytest.raises(HorovodInternalError, match="generation 1 members w0 did not arrive"):
+        ctx.enter()
+
+
 def test_waiting_for_a_generation_times_out_with_a_clear_error():
     ctx, _ = _context(FakeStore())
     ctx.wait_seconds = 0.2

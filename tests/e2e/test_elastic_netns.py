@@ -1,0 +1,48 @@
+"""Elastic jobs on two real hosts (network namespaces with sshd), ranks over ssh."""
+
+import re
+import sys
+
+import pytest
+
+from .conftest import finish, kill_session, start
+from .test_elastic import TRAIN, _assert_generations_agree, _done, _env, _trained_sizes, \
+    _wait_progress
+
+pytestmark = pytest.mark.netns
+
+
+def test_host_added_then_its_rank_sigkilled(netns_cluster, marker):
+    """2 ranks on host A; host B (2 slots) is discovered: 4 ranks; a rank on B is
+    SIGKILLed: B is blacklisted and the 2 ranks on A finish every committed step."""
+    c = netns_cluster
+    hosts = marker / "hosts.txt"
+    hosts.write_text(f"{c.ips[0]}:2\n")
+    script = marker / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    script.chmod(0o755)
+    progress = marker / "progress"
+    batches = 10
+    proc = start(["-np", "2", "--min-np", "2", "--max-np", "4", "--host-discovery-script",
+                  str(script), *c.ssh_options(), sys.executable, TRAIN, str(marker)],
+                 env=_env(ELASTIC_STEP_SECONDS="0.25", ELASTIC_BATCHES=str(batches),
+                          ELASTIC_PROGRESS=str(progress), ELASTIC_FAULTS="w3:16:kill"))
+    try:
+        _wait_progress(progress, lambda steps, size: steps >= 2, proc)
+        hosts.write_text(f"{c.ips[0]}:2\n{c.ips[1]}:2\n")
+        code, out, err = finish(proc, timeout=240)
+    finally:
+        kill_session(proc.pid)
+    assert code == 0, err
+    done = _done(out)
+    assert sorted(done) == ["w0", "w1"], out
+    assert {steps for _, _, steps, _ in done.values()} == {3 * batches}, out
+    assert len({params for _, _, _, params in done.values()}) == 1
+    _assert_generations_agree(out)
+    assert _trained_sizes(out, "w0") == [2, 4, 2], out + err[-6000:]
+    assert _trained_sizes(out, "w3") == [4], out
+    assert f"lost rank 3 (generation 2) on host {c.ips[1]}: was killed by signal 9 (SIGKILL)" \
+        in err, err
+    assert "sizes 2 -> 4 -> 2" in err
+    assert re.search(r"GEN worker=w2 gen=2 rank=2 size=4", out), out
+    assert c.wait_until_clean() == []
