@@ -1,10 +1,20 @@
-"""hvdlike on Ray: ``RayExecutor`` runs ranks as Ray actors (``horovod.ray``'s API).
+"""hvdlike on Ray: ``RayExecutor`` runs ranks as Ray actors (``horovod.ray``'s API),
+``HvdlikeConfig`` is a Ray Train backend.
 
-Needs ``pip install 'hvdlike[ray]'``; Ray is imported when an executor starts,
-not by ``import hvdlike.ray``. See docs/launcher.md ("Ray").
+Needs ``pip install 'hvdlike[ray]'``; Ray is imported when an executor starts
+(``HvdlikeConfig`` imports ``ray.train`` on first use), not by ``import
+hvdlike.ray``. See docs/launcher.md ("Ray").
 """
 
 from .executor import RayExecutor, RaySettings
 from .worker import RankFailure
 
-__all__ = ["RayExecutor", "RaySettings", "RankFailure"]
+__all__ = ["HvdlikeConfig", "RayExecutor", "RaySettings", "RankFailure"]
+
+
+def __getattr__(name):
+    if name == "HvdlikeConfig":
+        from .train import HvdlikeConfig
+
+        return HvdlikeConfig
+    raise AttributeError(f"module 'hvdlike.ray' has no attribute {name!r}")
