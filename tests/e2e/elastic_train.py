@@ -14,6 +14,7 @@ step; ``ELASTIC_PROGRESS`` names a file the rank 0 writes its step count to.
 import os
 import signal
 import sys
+import time
 
 import torch
 
@@ -45,6 +46,7 @@ def say(text):
 def inject(steps):
     for step, kind in FAULTS.get(WORKER, []):
         if steps == step:
+            say(f"FAULT worker={WORKER} kind={kind} at={time.time():.3f}")
             if kind == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             raise RuntimeError(f"injected failure of {WORKER} at step {steps}")
@@ -67,7 +69,7 @@ def train(state):
     generation = os.environ.get("HVDLIKE_ELASTIC_GENERATION", "0")
     say(f"GEN worker={WORKER} gen={generation} rank={hvd.rank()} size={hvd.size()} "
         f"steps={state.steps} "
-        f"params={checksum()} optimizer={optimizer_checksum()}")
+        f"params={checksum()} optimizer={optimizer_checksum()} at={time.time():.3f}")
     while state.epoch < EPOCHS:
         while state.batch < BATCHES:
             inject(state.steps)
@@ -78,7 +80,6 @@ def train(state):
             torch.nn.functional.mse_loss(model(x), y).backward()
             optimizer.step()
             if STEP_SECONDS:
-                import time
                 time.sleep(STEP_SECONDS)
             state.steps += 1
             state.batch += 1

@@ -7,7 +7,7 @@ import pytest
 
 from .conftest import finish, kill_session, start
 from .test_elastic import TRAIN, _assert_generations_agree, _done, _env, _trained_sizes, \
-    _wait_progress
+    _wait_progress, resume_seconds
 
 pytestmark = pytest.mark.netns
 
@@ -45,4 +45,5 @@ def test_host_added_then_its_rank_sigkilled(netns_cluster, marker):
         in err, err
     assert "sizes 2 -> 4 -> 2" in err
     assert re.search(r"GEN worker=w2 gen=2 rank=2 size=4", out), out
+    print(f"kill to training resumed: {resume_seconds(out, 3):.1f}s")
     assert c.wait_until_clean() == []
