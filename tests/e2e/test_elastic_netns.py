@@ -47,3 +47,36 @@ def test_host_added_then_its_rank_sigkilled(netns_cluster, marker):
     assert re.search(r"GEN worker=w2 gen=2 rank=2 size=4", out), out
     print(f"kill to training resumed: {resume_seconds(out, 3):.1f}s")
     assert c.wait_until_clean() == []
+
+
+def test_partitioned_host_is_dropped_and_the_others_finish(netns_cluster, marker):
+    """3 ranks, one on host B; B's link goes down mid-run. The survivors' collectives
+    time out into HorovodInternalError, the launcher loses B's ssh connection,
+    blacklists B, and the two ranks on A finish every committed step."""
+    import subprocess
+
+    c = netns_cluster
+    progress = marker / "progress"
+    batches = 10
+    proc = start(["-np", "3", "--min-np", "2", "-H", f"{c.ips[0]}:2,{c.ips[1]}:1",
+                  *c.ssh_options(), sys.executable, TRAIN, str(marker)],
+                 env=_env(ELASTIC_STEP_SECONDS="0.2", ELASTIC_BATCHES=str(batches),
+                          ELASTIC_PROGRESS=str(progress), HVDLIKE_GLOO_TIMEOUT_SECONDS="8"))
+    link = f"hvv{c.tag}2"  # the second host's cable into the bridge
+    try:
+        _wait_progress(progress, lambda steps, size: steps >= 3, proc)
+        subprocess.run(["ip", "link", "set", link, "down"], check=True)
+        code, out, err = finish(proc, timeout=240)
+    finally:
+        subprocess.run(["ip", "link", "set", link, "up"], check=False)
+        kill_session(proc.pid)
+    assert code == 0, err
+    done = _done(out)
+    assert sorted(done) == ["w0", "w1"], out
+    assert {steps for _, _, steps, _ in done.values()} == {3 * batches}, out
+    assert len({params for _, _, _, params in done.values()}) == 1
+    _assert_generations_agree(out)
+    assert _trained_sizes(out, "w0") == [3, 2], out + err[-4000:]
+    assert f"lost rank 2 (generation 1) on host {c.ips[1]}: lost its ssh connection" in err, err
+    assert "sizes 3 -> 2" in err
+    assert c.wait_until_clean(timeout=60) == []
