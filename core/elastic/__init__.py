@@ -17,7 +17,8 @@ framework-specific state; everything else lives here.
 
 from hvdlike.core.errors import HorovodInternalError, HostsUpdatedInterrupt
 
-from .loop import run_fn
+from .loop import run, run_fn
 from .state import ObjectState, State
 
-__all__ = ["HorovodInternalError", "HostsUpdatedInterrupt", "ObjectState", "State", "run_fn"]
+__all__ = ["HorovodInternalError", "HostsUpdatedInterrupt", "ObjectState", "State", "run",
+           "run_fn"]

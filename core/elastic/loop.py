@@ -55,3 +55,22 @@ def run_fn(func: Callable, reset: Callable[[], None],
             state.on_reset()
 
     return wrapper
+
+
+def reset() -> None:
+    """Leave the current generation and join the launcher's next one (shutdown + init)."""
+    from hvdlike.core import api
+
+    worker_mod.reset(api.init, api.shutdown)
+
+
+def run(func: Callable) -> Callable:
+    """Decorator: run ``func(state, ...)`` and re-form the job when ranks come or go.
+
+    On ``HorovodInternalError`` (a lost peer) the last commit is restored; on
+    ``HostsUpdatedInterrupt`` the state is kept. Either way the runtime is
+    re-initialized with the launcher's next generation, rank 0's state is
+    broadcast, and ``func`` is called again. Other exceptions propagate. Every
+    front end's ``hvd.elastic.run`` is this function.
+    """
+    return run_fn(func, reset)

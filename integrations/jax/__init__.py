@@ -31,6 +31,7 @@ from hvdlike.core.process_sets import ProcessSet, global_process_set
 from hvdlike.frontend import barrier, join, poll, synchronize
 from hvdlike.torch.objects import allgather_object, broadcast_object
 
+from . import elastic
 from .ops import allgather, allreduce, alltoall, broadcast, grid, grouped_allreduce, reducescatter
 from .optimizer import DistributedOptimizer, allreduce_gradients
 from .pytree import allreduce_pytree, broadcast_pytree, broadcast_variables

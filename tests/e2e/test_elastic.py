@@ -9,6 +9,7 @@ the committed step count at the end and the final parameters of every rank.
 
 import os
 import re
+import signal
 import sys
 import time
 
@@ -189,3 +190,20 @@ def test_failing_discovery_script_is_a_one_line_error(marker):
     assert err.strip().splitlines() == [
         f"hvdlike-run: error: host discovery script '{script}' exited with code 4: "
         f"cannot reach the scheduler"]
+
+
+def test_ctrl_c_stops_an_elastic_job(marker):
+    progress = marker / "progress"
+    proc = start(["-np", "2", "--min-np", "1", "-H", "127.0.0.1:1,127.0.0.2:1",
+                  sys.executable, TRAIN, str(marker)],
+                 env=_env(ELASTIC_STEP_SECONDS="0.5", ELASTIC_PROGRESS=str(progress)))
+    try:
+        _wait_progress(progress, lambda steps, size: steps >= 2, proc)
+        proc.send_signal(signal.SIGINT)
+        code, out, err = finish(proc, timeout=60)
+    finally:
+        kill_session(proc.pid)
+    assert code == 130, err
+    assert "received SIGINT; stopping 2 rank(s)" in err
+    assert "job interrupted (SIGINT); every rank was stopped" in err
+    assert "re-form" not in err  # stopping is not a failure to recover from

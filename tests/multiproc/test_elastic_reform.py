@@ -110,3 +110,31 @@ def test_torch_state_sync_broadcasts_rank0_and_unions_processed_indices():
     assert first[0] == second[0] and first[1] == second[1]  # parameters and momentum
     assert first[2] == second[2] == (10, [0, 1, 8, 9], 6)  # rank 0's epoch, the union
     assert first[3] and second[3] and first[4] == second[4] == 10
+
+
+def _numpy_object_state():
+    import numpy as np
+
+    import hvdlike.numpy as hvd
+
+    hvd.init()
+    state = hvd.elastic.ObjectState(weights=np.full(3, float(hvd.rank())), step=hvd.rank())
+    synced = run_in_loop = None
+
+    @hvd.elastic.run
+    def train(state):
+        nonlocal synced
+        synced = (state.weights.tolist(), state.step)
+        state.weights = state.weights + 1
+        state.step += 1
+        state.commit()
+        return state.step
+
+    run_in_loop = train(state)
+    hvd.shutdown()
+    return synced, run_in_loop
+
+
+def test_numpy_front_end_shares_the_elastic_core():
+    results = run_ranks(_numpy_object_state, np=2, timeout=120)
+    assert results == [(([0.0, 0.0, 0.0], 0), 1)] * 2  # rank 0's state, then one step

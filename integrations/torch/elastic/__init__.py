@@ -19,29 +19,12 @@ once and lets errors through.
 """
 
 from hvdlike.core import api
-from hvdlike.core.elastic import HorovodInternalError, HostsUpdatedInterrupt, run_fn
+from hvdlike.core.elastic import HorovodInternalError, HostsUpdatedInterrupt, State, run
 from hvdlike.core.elastic import ObjectState as _ObjectState
-from hvdlike.core.elastic import State
-from hvdlike.core.elastic import worker as _worker
 
 from ..objects import allgather_object, broadcast_object
 from .sampler import ElasticSampler
 from .state import TorchState
-
-
-def _reset() -> None:
-    _worker.reset(api.init, api.shutdown)
-
-
-def run(func):
-    """Decorator: run ``func(state, ...)`` and re-form the job when ranks come or go.
-
-    On ``HorovodInternalError`` (a lost peer) the last commit is restored; on
-    ``HostsUpdatedInterrupt`` the state is kept. Either way the runtime is
-    re-initialized with the launcher's next generation, rank 0's state is
-    broadcast, and ``func`` is called again. Other exceptions propagate.
-    """
-    return run_fn(func, _reset)
 
 
 class ObjectState(_ObjectState):
