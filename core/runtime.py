@@ -67,12 +67,18 @@ class ProcessSetState:
                 self.groups.closers.append(control.close)
             else:
                 mpi_plane.free(comm)  # only its duplicate (the data plane) is used
-        if shm is not None and cpu_engine == "gloo" and self.size > 1:
+        if shm is not None and self.size > 1 and "gloo" in engines:
             from . import shm_plane
 
-            self.groups.cpu_plane = shm_plane.for_set(
+            data, shm_control = shm_plane.for_set(
                 shm, self.groups.store, self.rank, self.ranks,
-                lambda: self.groups.torch_group("cpu"), abandon)
+                lambda: self.groups.torch_group("cpu"), abandon,
+                data=cpu_engine == "gloo", control=controller_engine == "gloo")
+            if data is not None:
+                self.groups.cpu_plane = data
+            if shm_control is not None:
+                control = shm_control
+                self.groups.closers.append(control.close)
         self.controller = Controller(control, cfg.cache_capacity)
         self.executor = Executor(self.groups, self.rank, self.size, cfg.fusion_threshold,
                                  complete, explain)

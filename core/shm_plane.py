@@ -19,10 +19,11 @@ Algorithms, on a data area of two buffers, each ``members + 1`` slots of
 only two sync points after its last reader finished, so one sync per phase
 suffices):
 
-* allreduce, per chunk: every member copies its chunk into its slot; sync;
-  member ``i`` reduces the ``i``-th portion of the chunk over all slots into
-  the result slot (each element is reduced once, in member order, so every
-  member gets the identical result); sync; every member copies the result out;
+* allreduce, per chunk: member ``i`` owns the ``i``-th portion; every member
+  copies the portions it does not own into its slot; sync; every member
+  reduces its portion (its own data and the others' slots, in member order:
+  each element is reduced once, so every member gets the identical result)
+  into its slot; sync; every member copies the other portions' results out;
 * broadcast, per chunk: the root copies into the result slot; sync; others copy out;
 * allgather, per chunk: every member copies its part into its slot; sync;
   every member copies all slots out;
@@ -42,7 +43,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import secrets
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -55,9 +55,6 @@ from .shm_segment import Segment, job_tag  # noqa: F401 - job_tag re-exported
 
 CHUNK_BYTES = 1 << 20  # per slot; two buffers of (members + 1) slots per segment
 _ALIGN_BYTES = 64
-_ATTACH_POLL_SECONDS = 0.001
-_PID, _ATTACHED = 1, 2  # header words of each member (0 is its sync counter)
-_counter = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,42 +191,14 @@ class ShmDataGroup:
     # -- setup ---------------------------------------------------------------------------
 
     def _attach(self, store) -> Segment:
-        global _counter
         n = self.size
         header = shm_segment.header_bytes(n, 16 * n)
         total = header + 2 * (n + 1) * self.chunk_bytes
-        mm = None
-        try:
-            if self.rank == 0:
-                _counter += 1
-                self.name = (f"{shm_segment.NAME_PREFIX}{self.settings.tag}-{os.getpid()}-"
-                             f"{_counter}-{secrets.token_hex(4)}")
-                mm = Segment.create(self.name, total)
-                store.set("segment", self.name)
-            else:
-                self.name = store.get("segment").decode()
-                mm = Segment.open(self.name, total)
-            segment = Segment(mm, n, self.rank, header)
-            segment.publish(_PID, os.getpid())
-            segment.publish(_ATTACHED, 1)
-            deadline = time.monotonic() + self.settings.start_timeout_seconds
-            while not all(segment.read(m, _ATTACHED) for m in range(n)):
-                if time.monotonic() > deadline:
-                    late = [self.ranks[m] for m in range(n) if not segment.read(m, _ATTACHED)]
-                    raise HvdlikeInternalError(
-                        f"rank(s) {late} did not map the shared-memory segment within "
-                        f"{self.settings.start_timeout_seconds:g}s")
-                time.sleep(_ATTACH_POLL_SECONDS)
-        except HvdlikeInternalError:
-            raise
-        except Exception as exc:
-            raise HvdlikeInternalError(
-                f"could not set up shared memory {self.name or '(unnamed)'} in "
-                f"{shm_segment.SHM_DIR}: {exc} (HVDLIKE_SHM=0 turns it off)") from None
-        finally:
-            if self.name:
-                shm_segment.unlink(self.name)  # mapped by everyone (or failed): drop the name
-        self.pids = [segment.read(m, _PID) for m in range(n)]
+        segment = shm_segment.attach(store, "segment", self.settings.tag, self.rank, n, header,
+                                     total, self.ranks, self.settings.start_timeout_seconds)
+        self.name = segment.name
+        self.pids = segment.pids
+        mm = segment.mm
         self.data = torch.frombuffer(mm, dtype=torch.uint8, offset=header,
                                      count=total - header).view(2, n + 1, self.chunk_bytes)
         self.meta = torch.frombuffer(mm, dtype=torch.int64, offset=n * shm_segment.LINE,
@@ -238,28 +207,8 @@ class ShmDataGroup:
 
     # -- synchronisation ---------------------------------------------------------------
 
-    def _check(self, deadline: float, what: str) -> Callable[[List[int]], None]:
-        def check(missing: List[int]) -> None:
-            error = self.abandon()
-            if error is not None:
-                raise HvdlikeInternalError(
-                    f"shared-memory {what} abandoned, the job has failed: {error}") from None
-            gone = [m for m in missing if shm_segment.process_gone(self.pids[m])]
-            if gone:
-                who = ", ".join(f"rank {self.ranks[m]} (pid {self.pids[m]})" for m in gone)
-                raise HvdlikeInternalError(
-                    f"{who} exited during a shared-memory {what}")
-            if time.monotonic() > deadline:
-                who = ", ".join(f"rank {self.ranks[m]}" for m in missing)
-                raise HvdlikeInternalError(
-                    f"{who} did not reach a shared-memory {what} within "
-                    f"{self.settings.timeout_seconds:g}s")
-        return check
-
     def _sync(self, what: str) -> None:
-        self.segment.arrive()
-        deadline = time.monotonic() + self.settings.timeout_seconds
-        self.segment.wait_all(self._check(deadline, what))
+        self.segment.sync(what, self.ranks, self.settings.timeout_seconds, self.abandon)
 
     def _buffer(self, dtype: torch.dtype) -> torch.Tensor:
         """The next buffer (alternating), as ``[members + 1, chunk elements]`` of ``dtype``."""
@@ -280,21 +229,36 @@ class ShmDataGroup:
         return _Work(lambda: self._allreduce(flat, reduce))
 
     def _allreduce(self, flat: torch.Tensor, reduce) -> None:
+        # Per chunk, member ``me`` owns portion [lo, hi): it publishes only the
+        # other portions, reduces its own from its private copy and the others'
+        # slots (in member order, so the result does not depend on who owns an
+        # element), publishes the result in its own slot and reads the other
+        # portions' results from their owners' slots.
         n, me = self.size, self.rank
         count = flat.numel()
         per_chunk = self.chunk_bytes // flat.element_size()
         unit = max(1, _ALIGN_BYTES // flat.element_size())
         for start in range(0, count, per_chunk):
             length = min(per_chunk, count - start)
+            chunk = flat[start:start + length]
             slots = self._buffer(flat.dtype)
-            slots[me, :length].copy_(flat[start:start + length])
-            self._sync("allreduce")
             share = -(-length // (n * unit)) * unit
-            lo, hi = min(me * share, length), min((me + 1) * share, length)
-            if hi > lo:
-                reduce([slots[m, lo:hi] for m in range(n)], slots[n, lo:hi])
+            bounds = [(min(m * share, length), min((m + 1) * share, length)) for m in range(n)]
+            lo, hi = bounds[me]
+            mine = slots[me]
+            if lo > 0:
+                mine[:lo].copy_(chunk[:lo])
+            if hi < length:
+                mine[hi:length].copy_(chunk[hi:])
             self._sync("allreduce")
-            flat[start:start + length].copy_(slots[n, :length])
+            if hi > lo:
+                reduce([chunk[lo:hi] if m == me else slots[m, lo:hi] for m in range(n)],
+                       mine[lo:hi])
+                chunk[lo:hi].copy_(mine[lo:hi])
+            self._sync("allreduce")
+            for m, (a, b) in enumerate(bounds):
+                if m != me and b > a:
+                    chunk[a:b].copy_(slots[m, a:b])
 
     def broadcast(self, tensors, opts=None):
         if len(tensors) != 1 or not tensors[0].is_contiguous():
@@ -402,16 +366,27 @@ class ShmDataGroup:
 
 
 def for_set(settings_: Settings, store, rank: int, ranks: Sequence[int],
-            gloo: Callable[[], object], abandon: Callable[[], Optional[BaseException]]):
-    """The CPU data plane of a process set: shared memory when every member is on this host.
+            gloo: Callable[[], object], abandon: Callable[[], Optional[BaseException]],
+            data: bool = True, control: bool = True) -> tuple:
+    """``(data plane, control plane)`` of a process set on shared memory, or ``(None, None)``.
 
     Collective over the set's members (each publishes its host in the set's
-    store). Returns None -- the set keeps Gloo -- when its members span hosts.
+    store). Both are None -- the set keeps Gloo -- when its members span hosts;
+    ``data``/``control`` False leave that plane to another engine (MPI).
     """
-    import torch.distributed as dist_
+    from .shm_control import ShmControlPlane
 
-    store = dist_.PrefixStore("shm/", store)
-    local = host_members(store, settings_, rank, len(ranks))
-    if len(local) != len(ranks):
-        return None
-    return ShmDataGroup(settings_, store, rank, len(ranks), ranks, gloo, abandon)
+    store = dist.PrefixStore("shm/", store)
+    if len(host_members(store, settings_, rank, len(ranks))) != len(ranks):
+        return None, None
+    planes = [None, None]
+    try:
+        if data:
+            planes[0] = ShmDataGroup(settings_, store, rank, len(ranks), ranks, gloo, abandon)
+        if control:
+            planes[1] = ShmControlPlane(settings_, store, rank, len(ranks), ranks, abandon)
+    except BaseException:
+        if planes[0] is not None:
+            planes[0].shutdown()
+        raise
+    return tuple(planes)

@@ -35,9 +35,10 @@ import hmac
 import mmap
 import os
 import platform
+import secrets
 import stat
 import time
-from typing import Callable, List
+from typing import Callable, List, Optional, Sequence
 
 from .errors import HvdlikeInternalError
 
@@ -123,6 +124,7 @@ class Segment:
         self.base = ctypes.addressof(words)
         self.count = 0  # sync points passed by this member
         self.pids: List[int] = []
+        self.name = ""
 
     # -- creation --------------------------------------------------------------------
 
@@ -225,12 +227,85 @@ class Segment:
                 out.append(member)
         return out
 
+    def sync(self, what: str, ranks: Sequence[int], timeout_seconds: float,
+             abandon: Callable[[], Optional[BaseException]]) -> None:
+        """Arrive, then wait for every member; raise naming a member that cannot come.
+
+        Gives up when ``abandon()`` returns the job's failure, when a missing
+        member's process has exited, or after ``timeout_seconds``.
+        """
+        self.arrive()
+        deadline = time.monotonic() + timeout_seconds
+
+        def check(missing: List[int]) -> None:
+            error = abandon()
+            if error is not None:
+                raise HvdlikeInternalError(
+                    f"shared-memory {what} abandoned, the job has failed: {error}") from None
+            gone = [m for m in missing if process_gone(self.pids[m])]
+            if gone:
+                who = ", ".join(f"rank {ranks[m]} (pid {self.pids[m]})" for m in gone)
+                raise HvdlikeInternalError(f"{who} exited during a shared-memory {what}")
+            if time.monotonic() > deadline:
+                who = ", ".join(f"rank {ranks[m]}" for m in missing)
+                raise HvdlikeInternalError(
+                    f"{who} did not reach a shared-memory {what} within {timeout_seconds:g}s")
+
+        self.wait_all(check)
+
     def close(self) -> None:
         self.words = None
         try:
             self.mm.close()
         except BufferError:  # a tensor view is still alive: the GC unmaps it later
             pass
+
+
+_PID, _ATTACHED = 1, 2  # header words of each member (0 is its sync counter)
+_ATTACH_POLL_SECONDS = 0.001
+_created = 0
+
+
+def attach(store, key: str, tag: str, me: int, members: int, header: int, size: int,
+           ranks: Sequence[int], timeout_seconds: float) -> Segment:
+    """Create (member 0) or open (the others) a segment, then drop its name once all mapped it.
+
+    Collective over the members; the name travels through ``store`` under ``key``.
+    """
+    global _created
+    name = ""
+    try:
+        if me == 0:
+            _created += 1
+            name = f"{NAME_PREFIX}{tag}-{os.getpid()}-{_created}-{secrets.token_hex(4)}"
+            mm = Segment.create(name, size)
+            store.set(key, name)
+        else:
+            name = store.get(key).decode()
+            mm = Segment.open(name, size)
+        segment = Segment(mm, members, me, header)
+        segment.name = name
+        segment.publish(_PID, os.getpid())
+        segment.publish(_ATTACHED, 1)
+        deadline = time.monotonic() + timeout_seconds
+        while not all(segment.read(m, _ATTACHED) for m in range(members)):
+            if time.monotonic() > deadline:
+                late = [ranks[m] for m in range(members) if not segment.read(m, _ATTACHED)]
+                raise HvdlikeInternalError(
+                    f"rank(s) {late} did not map the shared-memory segment within "
+                    f"{timeout_seconds:g}s")
+            time.sleep(_ATTACH_POLL_SECONDS)
+    except HvdlikeInternalError:
+        raise
+    except Exception as exc:
+        raise HvdlikeInternalError(
+            f"could not set up shared memory {name or '(unnamed)'} in {SHM_DIR}: {exc} "
+            "(HVDLIKE_SHM=0 turns it off)") from None
+    finally:
+        if name:
+            unlink(name)  # mapped by everyone (or failed): drop the name
+    segment.pids = [segment.read(m, _PID) for m in range(members)]
+    return segment
 
 
 def unlink(name: str) -> None:

@@ -251,6 +251,11 @@ def main(cfg: dict) -> None:
     from hvdlike.core import api as core_api
 
     controller, cpu_operations = getattr(core_api.runtime(), "engines", ("gloo", "gloo"))
+    state = core_api.runtime().process_sets[0]
+    if type(state.controller.control).__name__.startswith("Shm"):
+        controller = "shm"  # negotiation on shared memory (core/shm_control.py)
+    if type(state.groups.cpu_plane).__name__.startswith("Shm"):
+        cpu_operations = "shm"  # CPU tensors on shared memory (core/shm_plane.py)
     started = time.time()
     load0 = loadavg()
     results: Dict[str, object] = {}

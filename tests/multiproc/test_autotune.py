@@ -102,7 +102,7 @@ def test_autotune_two_ranks(tmp_path):
     codes, outputs = run_ranks(_train, np=2, args=(str(tmp_path),), env=_env(log), timeout=150,
                                expect_failure=True)
     assert codes == [0, 0], outputs
-    _check(tmp_path, log, outputs[0], "GlooControlPlane")
+    _check(tmp_path, log, outputs[0], "ShmControlPlane")
     assert "HVDLIKE_FUSION_THRESHOLD=" not in outputs[1]
 
 

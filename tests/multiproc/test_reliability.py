@@ -4,6 +4,7 @@ import os
 import signal
 import time
 
+import pytest
 import torch
 
 from tests.multiproc.harness import run_ranks
@@ -120,11 +121,18 @@ def _stopped_rank():
         return str(exc)
 
 
-def test_stopped_rank_is_named_and_everyone_raises():
+@pytest.mark.parametrize("shm", ["0", "1"])
+def test_stopped_rank_is_named_and_everyone_raises(shm):
     env = {"HVDLIKE_STALL_CHECK_TIME_SECONDS": "1", "HVDLIKE_STALL_SHUTDOWN_TIME_SECONDS": "4",
-           "HVDLIKE_GLOO_TIMEOUT_SECONDS": "60"}
+           "HVDLIKE_GLOO_TIMEOUT_SECONDS": "60", "HVDLIKE_SHM": shm}
     codes, outputs = run_ranks(_stopped_rank, np=2, env=env, expect_failure=True, timeout=80)
-    assert "rank 1 on" in outputs[0] and "signs of life" in outputs[0], outputs[0]
+    if shm == "0":
+        # Rank 0's background thread sits in a Gloo control collective until the
+        # heartbeat watcher has seen rank 1 silent for 5 s.
+        assert "rank 1 on" in outputs[0] and "signs of life" in outputs[0], outputs[0]
+    else:
+        # A shared-memory wait gives up on the stall abort itself (at 4 s).
+        assert "missing rank(s) 1 (" in outputs[0] and "shutting down every rank" in outputs[0]
     assert codes == [0, 0], outputs
 
 

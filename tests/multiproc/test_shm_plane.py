@@ -46,8 +46,10 @@ def _oracle(values, op, dtype):
 def _plane_kind(hvd):
     from hvdlike.core import api
 
-    plane = api.runtime().process_sets[0].groups.cpu_plane
-    return type(plane).__name__ if plane is not None else "gloo"
+    state = api.runtime().process_sets[0]
+    plane = state.groups.cpu_plane
+    data = type(plane).__name__ if plane is not None else "gloo"
+    return f"{data}+{type(state.controller.control).__name__}"
 
 
 def _every_collective(chunk_bytes):
@@ -87,7 +89,7 @@ def _every_collective(chunk_bytes):
 
 
 def _check_every_collective(results, n):
-    assert all(res["plane"] == "ShmDataGroup" for res in results), [r["plane"] for r in results]
+    assert all(res["plane"] == "ShmDataGroup+ShmControlPlane" for res in results), [r["plane"] for r in results]
     for dtype in DTYPES:
         tol = {"float16": 5e-2, "bfloat16": 5e-2, "float32": 1e-6}.get(dtype, 1e-12)
         for size in SIZES:
@@ -166,7 +168,8 @@ def test_fusion_on_and_off_give_identical_results():
                         env={"HVDLIKE_FUSION_THRESHOLD": "0"})
     gloo = run_ranks(_fused_training, np=2, args=(4096,), timeout=120,
                      env={"HVDLIKE_SHM": "0"})
-    assert fused[0]["plane"] == "ShmDataGroup" and gloo[0]["plane"] == "gloo"
+    assert fused[0]["plane"] == "ShmDataGroup+ShmControlPlane"
+    assert gloo[0]["plane"] == "gloo+GlooControlPlane"
     for step in range(3):
         per_rank = []
         for r in range(2):

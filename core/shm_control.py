@@ -1,0 +1,113 @@
+"""Negotiation on shared memory for a process set whose members share one host.
+
+The steady-state cycle is one allreduce of one word (see
+``controller.Controller``); over Gloo's loopback TCP it costs a few hundred
+microseconds of socket round trips, here one sync point on a segment (see
+:mod:`.shm_segment`) and a few reads. Every operation is an all-gather of
+byte strings: each member writes its bytes (and their total length) into
+its slot of one of two alternating buffers, all sync, and each member reads
+what it needs. Payloads longer than a slot take several steps. Implements
+``controller.ControlPlane``; called by one thread at a time (the background
+thread, or the thread in ``init()`` before it starts).
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Callable, List, Optional, Sequence
+
+from . import shm_segment
+
+SLOT_BYTES = 64 * 1024
+_LENGTH = struct.Struct("<q")
+
+
+class ShmControlPlane:
+    """:class:`controller.ControlPlane` over a shared-memory segment.
+
+    Args:
+        settings_: the runtime's ``shm_plane.Settings``.
+        store: the set's store (prefixed), for the segment name.
+        rank, size: this member's rank in the set and the set's size.
+        ranks: the set's global ranks (for error messages).
+        abandon: returns the job's failure once there is one.
+    """
+
+    def __init__(self, settings_, store, rank: int, size: int, ranks: Sequence[int],
+                 abandon: Callable[[], Optional[BaseException]] = lambda: None,
+                 slot_bytes: int = SLOT_BYTES):
+        self.rank = rank
+        self.size = size
+        self.ranks = list(ranks)
+        self.abandon = abandon
+        self.timeout = settings_.timeout_seconds
+        self.slot = slot_bytes
+        self.header = shm_segment.header_bytes(size)
+        total = self.header + 2 * size * slot_bytes
+        self.segment = shm_segment.attach(store, "control", settings_.tag, rank, size,
+                                          self.header, total, self.ranks,
+                                          settings_.start_timeout_seconds)
+        self._step = 0
+
+    def _exchange(self, payload: bytes, wanted: Callable[[int], bool]) -> List[bytes]:
+        """Every member's ``payload`` (``b""`` for members not ``wanted`` here)."""
+        n, me, mm, cap = self.size, self.rank, self.segment.mm, self.slot - _LENGTH.size
+        pieces: List[List[bytes]] = [[] for _ in range(n)]
+        totals: List[int] = []
+        pos = 0
+        while True:
+            self._step += 1
+            first = self.header + (self._step & 1) * n * self.slot
+            mine = first + me * self.slot
+            _LENGTH.pack_into(mm, mine, len(payload))
+            piece = payload[pos:pos + cap]
+            if piece:
+                mm[mine + _LENGTH.size:mine + _LENGTH.size + len(piece)] = piece
+            self.segment.sync("negotiation", self.ranks, self.timeout, self.abandon)
+            if not totals:
+                totals = [_LENGTH.unpack_from(mm, first + m * self.slot)[0] for m in range(n)]
+            for m in range(n):
+                if m == me or not wanted(m):
+                    continue
+                end = min(pos + cap, totals[m])
+                if end > pos:
+                    at = first + m * self.slot + _LENGTH.size
+                    pieces[m].append(mm[at:at + end - pos])
+            pos += cap
+            if pos >= max(totals):
+                break
+        return [payload if m == me else b"".join(pieces[m]) for m in range(n)]
+
+    def allreduce_sum(self, values: Sequence[int]) -> List[int]:
+        if self.size == 1:
+            return list(values)
+        parts = self._exchange(struct.pack(f"<{len(values)}q", *values), lambda m: True)
+        total = [0] * len(values)
+        for part in parts:
+            for i, v in enumerate(struct.unpack(f"<{len(part) // 8}q", part)):
+                total[i] += v
+        return total
+
+    def allreduce_min(self, value: int) -> int:
+        if self.size == 1:
+            return value
+        parts = self._exchange(_LENGTH.pack(value), lambda m: True)
+        return min(_LENGTH.unpack(part)[0] for part in parts)
+
+    def gather(self, payload: bytes) -> Optional[List[bytes]]:
+        if self.size == 1:
+            return [payload]
+        parts = self._exchange(payload, lambda m: self.rank == 0)
+        return parts if self.rank == 0 else None
+
+    def broadcast(self, payload: Optional[bytes]) -> bytes:
+        if self.size == 1:
+            return payload
+        parts = self._exchange(payload if self.rank == 0 else b"", lambda m: m == 0)
+        return parts[0]
+
+    def close(self) -> None:
+        segment, self.segment = self.segment, None
+        self.abandon = lambda: None
+        if segment is not None:
+            segment.close()
