@@ -137,10 +137,14 @@ def _mixed():
     return engines, control, cpu, total, fused
 
 
+# A plane left to "gloo" runs on shared memory when the set's ranks share a host
+# (HVDLIKE_SHM, on by default), on Gloo's sockets otherwise.
 @pytest.mark.parametrize("env,expected", [
-    ({"HVDLIKE_CPU_OPERATIONS": "gloo"}, (("mpi", "gloo"), "MpiControlPlane", "ProcessGroupGloo")),
-    ({"HOROVOD_CONTROLLER": "gloo"}, (("gloo", "mpi"), "GlooControlPlane", "MpiDataGroup")),
+    ({"HVDLIKE_CPU_OPERATIONS": "gloo"}, (("mpi", "gloo"), "MpiControlPlane", "ShmDataGroup")),
+    ({"HOROVOD_CONTROLLER": "gloo"}, (("gloo", "mpi"), "ShmControlPlane", "MpiDataGroup")),
     ({"HVDLIKE_CONTROLLER": "gloo", "HVDLIKE_CPU_OPERATIONS": "gloo"},
+     (("gloo", "gloo"), "ShmControlPlane", "ShmDataGroup")),
+    ({"HVDLIKE_CONTROLLER": "gloo", "HVDLIKE_CPU_OPERATIONS": "gloo", "HVDLIKE_SHM": "0"},
      (("gloo", "gloo"), "GlooControlPlane", "ProcessGroupGloo")),
 ])
 def test_engine_knobs_choose_each_plane(env, expected):
