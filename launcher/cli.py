@@ -212,6 +212,12 @@ def to_config(args: argparse.Namespace) -> LaunchConfig:
     elastic_flags = (args.min_np, args.max_np, args.host_discovery_script)
     allocated = (None if any(flag is not None for flag in elastic_flags)
                  else slurm.hosts_if_allocated(os.environ, args.hosts, args.hostfile))
+    if (allocated is None and args.np is None and args.min_np is None and not args.hosts
+            and not args.hostfile and not args.host_discovery_script
+            and slurm.why_not_allocated(os.environ)):
+        raise LaunchError("-np is required when no -H/--hosts or --hostfile is given; the "
+                          "Slurm allocation's hosts are not used: "
+                          + slurm.why_not_allocated(os.environ))
     config = LaunchConfig(
         command=command,
         hosts=([] if args.host_discovery_script

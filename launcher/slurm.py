@@ -99,6 +99,16 @@ def describe(environ: Mapping[str, str], hosts: Sequence[HostSlots]) -> str:
     return f"Slurm job {environ.get('SLURM_JOB_ID')}: hosts {listed}, ranks started with srun"
 
 
+def why_not_allocated(environ: Mapping[str, str]) -> str:
+    """Why a launcher in a Slurm job does not take the allocation's hosts ('' if not in one)."""
+    if "SLURM_JOB_ID" not in environ or in_allocation(environ):
+        return ""
+    if "SLURM_STEP_ID" in environ:
+        return (f"inside step {environ['SLURM_STEP_ID']} of Slurm job {environ['SLURM_JOB_ID']} "
+                "(run hvdlike-run from the batch script or the salloc shell, not under srun)")
+    return f"Slurm job {environ['SLURM_JOB_ID']} sets no SLURM_JOB_NODELIST"
+
+
 def hosts_if_allocated(environ: Mapping[str, str], hosts: Optional[str],
                        hostfile: Optional[str]) -> Optional[List[HostSlots]]:
     """The allocation's hosts when no host was given and we are in one; else None."""

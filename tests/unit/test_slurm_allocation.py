@@ -88,3 +88,12 @@ def test_explicit_hosts_win_over_the_allocation(monkeypatch):
 def test_missing_srun_is_a_clear_error():
     with pytest.raises(LaunchError, match="srun is not on PATH"):
         slurm.find_srun({"PATH": "/nonexistent"})
+
+
+def test_inside_a_step_the_missing_np_error_says_why_the_allocation_is_not_used(monkeypatch):
+    monkeypatch.setattr("os.environ", {**SALLOC, "SLURM_STEP_ID": "3"})
+    with pytest.raises(LaunchError, match="inside step 3 of Slurm job 77"):
+        cli.to_config(cli.build_parser().parse_args(["python", "x.py"]))
+    monkeypatch.setattr("os.environ", {"SLURM_JOB_ID": "77", "PATH": "/bin"})
+    with pytest.raises(LaunchError, match="sets no SLURM_JOB_NODELIST"):
+        cli.to_config(cli.build_parser().parse_args(["python", "x.py"]))
