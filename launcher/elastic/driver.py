@@ -103,6 +103,7 @@ class ElasticDriver:
         self._below_since: Optional[float] = None
         self._finishing = False
         self._removed_at: Dict[str, float] = {}
+        self._stopping_since: Optional[float] = None
         self._stop_discovery = threading.Event()
 
     # -- the loop --------------------------------------------------------------------
@@ -221,9 +222,11 @@ class ElasticDriver:
     # -- generations -------------------------------------------------------------------
 
     def _usable_members(self) -> List[Member]:
+        """What a re-form would give now (for messages; starts nothing)."""
         survivors = [(m.worker, m.slot) for m in self.members if m.worker in self.live]
+        placeholder_ids = itertools.repeat("new")
         return assign(survivors, self.table.available(self.clock()), self.settings.max_np,
-                      iter(lambda: "new", None))
+                      placeholder_ids)
 
     def _reform(self) -> None:
         now = self.clock()
@@ -323,8 +326,6 @@ class ElasticDriver:
             self._stopping_since = self.clock()
         for w in running:
             w.request_stop()
-
-    _stopping_since: Optional[float] = None
 
     def _stop_removed(self) -> None:
         now = self.clock()

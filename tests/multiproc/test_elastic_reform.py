@@ -67,6 +67,7 @@ def test_twenty_reforms_keep_topology_state_and_resources():
         assert [total for _, _, total, _, _ in seen] == [2 * s for s in range(REFORMS + 1)]
         threads = [t for _, _, _, t, _ in seen]
         fds = [f for _, _, _, _, f in seen]
+        print(f"worker {worker}: threads per generation {threads}; open fds {fds}")
         assert max(threads[2:]) == threads[2], threads  # nothing accumulates per re-form
         assert max(fds[2:]) <= fds[2] + 2, fds
 
