@@ -34,6 +34,7 @@ from typing import List, Sequence
 import torch
 
 from .errors import HvdlikeInternalError
+from .wire import scale
 
 _TAG_LEVELS = 64  # tags per operation: levels plus the fold steps
 
@@ -133,41 +134,35 @@ class AdasumRunner:
             group.send([x.contiguous()], r + q, tag + 1).wait()
         return x
 
+    def finalizer(self, items):
+        """The completion of one Adasum allreduce (``items`` holds a single response).
 
-def launch(executor, items) -> None:
-    """Start one Adasum allreduce (``items`` holds a single response) on ``executor``.
+        Takes the operation's tag now, in launch order; the returned callable
+        runs the exchanges on the executor's completion thread, so the
+        background thread keeps negotiating meanwhile.
+        """
+        (response, entry), = items
+        tag = self.next_tag()
+        if entry is not None:
+            source = entry.tensor
+        else:  # a joined rank stands in with zeros, which Adasum leaves out
+            source = torch.zeros(response.shape, dtype=getattr(torch, response.dtype),
+                                 device=response.device)
 
-    The exchanges run on the executor's completion thread, in launch order,
-    so the background thread keeps negotiating meanwhile.
-    """
-    from .executor import scale
+        def finalize():
+            vector = source.detach().reshape(-1).to("cpu", copy=True).contiguous()
+            scale(vector, response.prescale)
+            try:
+                result = self.reduce(vector, tag)
+            except HvdlikeInternalError:
+                raise
+            except Exception as exc:
+                raise HvdlikeInternalError(f"Adasum exchange of {response.name!r} failed: "
+                                           f"{exc}") from exc
+            scale(result, response.postscale)
+            if entry is None:
+                return [None]
+            entry.output.view(-1).copy_(result)
+            return [entry.output]
 
-    (response, entry), = items
-    runner = getattr(executor, "adasum_runner", None)
-    if runner is None:
-        runner = executor.adasum_runner = AdasumRunner(executor.groups, executor.rank,
-                                                       executor.size)
-    tag = runner.next_tag()
-    if entry is not None:
-        source = entry.tensor
-    else:  # a joined rank stands in with zeros, which Adasum leaves out
-        source = torch.zeros(response.shape, dtype=getattr(torch, response.dtype),
-                             device=response.device)
-
-    def finalize():
-        vector = source.detach().reshape(-1).to("cpu", copy=True).contiguous()
-        scale(vector, response.prescale)
-        try:
-            result = runner.reduce(vector, tag)
-        except HvdlikeInternalError:
-            raise
-        except Exception as exc:
-            raise HvdlikeInternalError(f"Adasum exchange of {response.name!r} failed: "
-                                       f"{exc}") from exc
-        scale(result, response.postscale)
-        if entry is None:
-            return [None]
-        entry.output.view(-1).copy_(result)
-        return [entry.output]
-
-    executor._submit(None, items, finalize)
+        return finalize

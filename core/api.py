@@ -9,25 +9,19 @@ from __future__ import annotations
 
 import atexit
 import sys
-import threading
 from typing import Optional, Sequence, Union
 
+from . import current as _current
 from . import process_sets as ps
-from .errors import HvdlikeError, NotInitializedError
+from .errors import HvdlikeError
 from .runtime import Runtime
 
-_lock = threading.RLock()
-_runtime: Optional[Runtime] = None
-_atexit_registered = False
+_SLOT = _current.SLOT
 
 
 def runtime() -> Runtime:
     """The live runtime; raises :class:`NotInitializedError` before ``init()``."""
-    current = _runtime
-    if current is None:
-        raise NotInitializedError(
-            "hvdlike has not been initialized; call hvdlike.init() (or hvd.init()) first")
-    return current
+    return _current.require()
 
 
 def init(comm=None, process_sets: Optional[Union[Sequence[ps.ProcessSet], str]] = None,
@@ -60,15 +54,14 @@ def init(comm=None, process_sets: Optional[Union[Sequence[ps.ProcessSet], str]] 
         >>> hvdlike.rank(), hvdlike.size()
         (0, 1)
     """
-    global _runtime, _atexit_registered
     if isinstance(comm, (list, tuple)):
         raise HvdlikeError("init(comm=[ranks]) is not supported; use process sets instead")
-    with _lock:
-        if _runtime is not None and _runtime.alive_error() is None:
+    with _SLOT.lock:
+        if _SLOT.runtime is not None and _SLOT.runtime.alive_error() is None:
             return
-        if _runtime is not None:
-            _runtime.shutdown()
-            _runtime = None
+        if _SLOT.runtime is not None:
+            _SLOT.runtime.shutdown()
+            _SLOT.runtime = None
         if isinstance(process_sets, str):
             if process_sets != "dynamic":
                 raise ValueError(f"init: process_sets must be a list of ProcessSet or "
@@ -78,12 +71,17 @@ def init(comm=None, process_sets: Optional[Union[Sequence[ps.ProcessSet], str]] 
         elif process_sets is not None and not isinstance(process_sets, (list, tuple)):
             raise TypeError(f"init: process_sets must be a list of ProcessSet or 'dynamic', "
                             f"got {type(process_sets).__name__}")
-        _runtime = Runtime.start(process_sets=process_sets or (), **settings)
-        ps.global_process_set.ranks = list(range(_runtime.topology.size))
-        if not _atexit_registered:
+        built = Runtime.build(process_sets=process_sets or (),
+                              generation=_SLOT.next_generation(), **settings)
+        try:
+            _SLOT.runtime = built.start()
+        except BaseException:
+            built.close()
+            raise
+        if not _SLOT.exit_hooks_installed:
             atexit.register(shutdown)
             _chain_excepthook()
-            _atexit_registered = True
+            _SLOT.exit_hooks_installed = True
 
 
 def _chain_excepthook() -> None:
@@ -97,7 +95,7 @@ def _chain_excepthook() -> None:
 
     def hook(exc_type, exc, tb):
         previous(exc_type, exc, tb)
-        current = _runtime
+        current = _SLOT.runtime
         if current is not None and current.topology.size > 1:
             text = str(exc).splitlines()[0] if str(exc) else ""
             current.abort(f"exited with an uncaught {exc_type.__name__}"
@@ -108,15 +106,15 @@ def _chain_excepthook() -> None:
 
 def shutdown() -> None:
     """Stop hvdlike on this rank (and, through negotiation, on every rank)."""
-    global _runtime
-    with _lock:
-        current, _runtime = _runtime, None
+    with _SLOT.lock:
+        current, _SLOT.runtime = _SLOT.runtime, None
     if current is not None:
         current.shutdown()
 
 
 def is_initialized() -> bool:
-    return _runtime is not None and _runtime.alive_error() is None
+    current = _SLOT.runtime
+    return current is not None and current.alive_error() is None
 
 
 def rank() -> int:
@@ -191,7 +189,7 @@ def mpi_built() -> bool:
 
 def mpi_enabled() -> bool:
     """True when MPI carries this job's negotiation or CPU tensors (see mpi_plane.py)."""
-    current = _runtime
+    current = _SLOT.runtime
     return current is not None and "mpi" in current.engines
 
 
@@ -272,13 +270,11 @@ def start_timeline(file_path: str, mark_cycles: bool = False,
         >>> hvd.allreduce(torch.ones(4), name="x")
         >>> hvd.stop_timeline()   # the file is complete JSON now
     """
-    from . import timeline
-
-    timeline.start(runtime(), file_path, mark_cycles, max_bytes)
+    recording = runtime().recording
+    recording.open(file_path, mark_cycles, max_bytes)
+    recording.start()
 
 
 def stop_timeline() -> None:
     """Stop recording the timeline and close its file (a no-op when not recording)."""
-    from . import timeline
-
-    timeline.stop(runtime())
+    runtime().recording.close()

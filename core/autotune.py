@@ -296,18 +296,29 @@ class Autotuner:
                        "\n".join(settings_lines(best)))
 
 
-def for_runtime(runtime) -> Autotuner:
-    """The autotuner of ``runtime`` (whose global process set must exist)."""
-    cfg = runtime.config
-    control = runtime.process_sets[0].controller.control
+class LiveSettings:
+    """Settings read every cycle, which the autotuner changes while it searches.
 
-    def apply(candidate: Candidate) -> None:
-        runtime.fusion_threshold = candidate.fusion_threshold
-        for state in runtime.process_sets.values():
-            state.executor.fusion_threshold = candidate.fusion_threshold
-        runtime.cycle_seconds = candidate.cycle_time_ms / 1000.0
+    One per runtime: the background thread reads :attr:`cycle_seconds`, every
+    executor reads :attr:`fusion_threshold`. The autotuner changes both in the
+    same cycle on every rank (see *Agreement* above).
+    """
 
-    return Autotuner(runtime.topology.rank, control.broadcast, apply,
+    __slots__ = ("fusion_threshold", "cycle_seconds")
+
+    def __init__(self, fusion_threshold: int, cycle_time_ms: float):
+        self.fusion_threshold = fusion_threshold
+        self.cycle_seconds = cycle_time_ms / 1000.0
+
+    def apply(self, candidate: Candidate) -> None:
+        self.fusion_threshold = candidate.fusion_threshold
+        self.cycle_seconds = candidate.cycle_time_ms / 1000.0
+
+
+def build(cfg, rank: int, broadcast: Callable[[bytes], bytes],
+          settings: LiveSettings) -> Autotuner:
+    """The autotuner ``cfg`` asks for, deciding through ``broadcast`` (the global set's)."""
+    return Autotuner(rank, broadcast, settings.apply,
                      Candidate(cfg.fusion_threshold, cfg.cycle_time),
                      cfg.autotune_warmup_samples, cfg.autotune_steps_per_sample,
                      cfg.autotune_log)

@@ -13,7 +13,6 @@ from typing import Any, Callable, List, Sequence
 
 import torch
 
-from .handles import Handle
 from .messages import OpType, ReduceOp, Request, new_request
 from .tensor_queue import Entry
 
@@ -104,7 +103,7 @@ def allreduce_entry(tensor, name: str, op=ReduceOp.AVERAGE, prescale_factor=1.0,
     request = new_request(name, _ALLREDUCE, dtype_name(tensor.dtype), tuple(tensor.shape),
                           "cpu" if tensor.is_cpu else tensor.device.type, reduce_op,
                           float(prescale_factor), float(postscale_factor), group, group_size)
-    return Entry(request, tensor, output, Handle(name), finish)
+    return Entry(request, tensor, output, None, finish)
 
 
 def allgather_entry(tensor, name: str, group="", group_size=0) -> Entry:
@@ -112,7 +111,7 @@ def allgather_entry(tensor, name: str, group="", group_size=0) -> Entry:
     if tensor.dim() == 0:
         tensor = tensor.reshape(1)
     request = _request(OpType.ALLGATHER, tensor, name, group=group, group_size=group_size)
-    return Entry(request, tensor, None, Handle(name))
+    return Entry(request, tensor, None, None)
 
 
 def broadcast_entry(tensor, root_rank: int, size: int, name: str, inplace=False) -> Entry:
@@ -126,7 +125,7 @@ def broadcast_entry(tensor, root_rank: int, size: int, name: str, inplace=False)
         if inplace:
             finish = _copy_back(tensor)
     request = _request(OpType.BROADCAST, tensor, name, root=root)
-    return Entry(request, tensor, output, Handle(name), finish)
+    return Entry(request, tensor, output, None, finish)
 
 
 def alltoall_entry(tensor, splits, size: int, name: str) -> Entry:
@@ -153,7 +152,7 @@ def alltoall_entry(tensor, splits, size: int, name: str) -> Entry:
             raise ValueError(f"alltoall: splits {split_list} add up to {sum(split_list)}, "
                              f"but the tensor's first dimension is {first}")
     request = _request(OpType.ALLTOALL, tensor, name, splits=tuple(split_list))
-    return Entry(request, tensor, None, Handle(name))
+    return Entry(request, tensor, None, None)
 
 
 def reducescatter_entry(tensor, name: str, op=ReduceOp.AVERAGE, prescale_factor=1.0,
@@ -165,17 +164,17 @@ def reducescatter_entry(tensor, name: str, op=ReduceOp.AVERAGE, prescale_factor=
     request = _request(OpType.REDUCESCATTER, tensor, name, reduce_op=reduce_op,
                        prescale=float(prescale_factor), postscale=float(postscale_factor),
                        group=group, group_size=group_size)
-    return Entry(request, tensor, None, Handle(name))
+    return Entry(request, tensor, None, None)
 
 
 def barrier_entry(name: str) -> Entry:
     request = Request(name=name, op=OpType.BARRIER, dtype="uint8", shape=())
-    return Entry(request, None, None, Handle(name))
+    return Entry(request, None, None, None)
 
 
 def join_entry(name: str = "join", device: str = "cpu") -> Entry:
     request = Request(name=name, op=OpType.JOIN, dtype="uint8", shape=(), device=device)
-    return Entry(request, None, None, Handle(name))
+    return Entry(request, None, None, None)
 
 
 def grouped(make: Callable[..., Entry], tensors: Sequence[Any], name: str, what: str,

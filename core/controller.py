@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import pickle
 import time
-from typing import Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from .coordinator import Coordinator
 from .messages import OpType, Request, Response
@@ -71,12 +71,13 @@ class CycleResult:
 class Controller:
     """Negotiation state of one rank in one process set."""
 
-    def __init__(self, control: ControlPlane, cache_capacity: int):
+    def __init__(self, control: ControlPlane, cache_capacity: int,
+                 record_arrivals: Callable[[], bool] = lambda: False):
         self.control = control
         self.rank = control.rank
         self.size = control.size
         self.cache = ResponseCache(cache_capacity)
-        self.coordinator = Coordinator(self.size) if self.rank == 0 else None
+        self.coordinator = Coordinator(self.size, record_arrivals) if self.rank == 0 else None
         self._cached: Dict[int, Entry] = {}  # slot -> entry waiting for all ranks
         self._uncached: Dict[str, Entry] = {}  # name -> entry waiting for a response
         self._to_send: List[Request] = []

@@ -8,7 +8,7 @@ order every rank will execute them. Tested without processes.
 from __future__ import annotations
 
 import time
-from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from .messages import OpType, Request, Response
 
@@ -88,7 +88,7 @@ def build_response(requests: Sequence[Request], size: int, joined: Iterable[int]
 class Coordinator:
     """Collects requests from all ranks until every rank has submitted a name."""
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, record_arrivals: Callable[[], bool] = lambda: False):
         self.size = size
         self.joined: Set[int] = set()
         self._last_joined = -1
@@ -97,10 +97,10 @@ class Coordinator:
         self._first_seen: Dict[str, float] = {}
         # group name -> completed responses waiting for the rest of the group.
         self._groups: Dict[str, List[Response]] = {}
-        # Readiness times for the timeline, recorded only while ``record_arrivals``:
+        # Readiness times for the timeline, recorded only while ``record_arrivals()``:
         # name -> {rank: when its request was first added}, kept until the name's
         # response is released; ``arrivals`` holds those of the last ready() call.
-        self.record_arrivals = False
+        self._record_arrivals = record_arrivals
         self._arrived: Dict[str, Dict[int, float]] = {}
         self.arrivals: Dict[str, Dict[int, float]] = {}
 
@@ -109,7 +109,7 @@ class Coordinator:
 
     def add(self, requests: Iterable[Request], now: Optional[float] = None) -> None:
         now = time.monotonic() if now is None else now
-        arrived = self._arrived if self.record_arrivals else None
+        arrived = self._arrived if self._record_arrivals() else None
         for req in requests:
             row = self._table.setdefault(req.name, {})
             self._first_seen.setdefault(req.name, now)

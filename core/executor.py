@@ -15,6 +15,7 @@ reinterprets the bytes of such tensors as a dtype of the same width.
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 import time
@@ -24,12 +25,30 @@ import torch
 import torch.distributed as dist
 
 from . import fusion
+from .adasum import AdasumRunner
 from .errors import HvdlikeInternalError, MismatchError
 from .messages import OpType, ReduceOp, Response
 from .tensor_queue import Entry
+from .wire import movable, scale, torch_dtype, wire_dtype
 
 Work = Tuple[Response, Optional[Entry]]
 Complete = Callable[[Entry, Any, Optional[BaseException]], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class CompletionHooks:
+    """How the executor hands results back to the runtime that owns it.
+
+    Attributes:
+        complete: ``complete(entry, result, error)`` for one entry.
+        complete_many: success for a batch of entries at once (one queue
+            release and one handle lock for the whole batch).
+        explain: turns a transport failure into the job's fatal error.
+    """
+
+    complete: Complete
+    complete_many: Callable[[List[Entry], List[Any]], None]
+    explain: Callable[[BaseException], BaseException]
 
 _REDUCE = {
     ReduceOp.SUM: dist.ReduceOp.SUM,
@@ -50,38 +69,6 @@ _BOOL_REDUCE = {
 _foreach_copy = getattr(torch, "_foreach_copy_", None)
 # Splits a flat tensor straight into a list of outputs (None on builds without it).
 _split_copy = getattr(torch, "split_with_sizes_copy", None)
-# Same-width stand-ins for moving bytes of dtypes Gloo does not handle.
-_MOVE_AS = {torch.bool: torch.uint8, torch.int16: torch.float16}
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    return getattr(torch, name)
-
-
-def wire_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype a reduction of ``dtype`` runs in on Gloo."""
-    if dtype == torch.int16:
-        return torch.int32
-    if dtype == torch.bool:
-        return torch.uint8
-    return dtype
-
-
-def movable(tensor: torch.Tensor) -> torch.Tensor:
-    stand_in = _MOVE_AS.get(tensor.dtype)
-    return tensor if stand_in is None else tensor.view(stand_in)
-
-
-def scale(tensor: torch.Tensor, factor: float) -> None:
-    """Multiply in place; integers truncate toward zero like Horovod's scaling."""
-    if factor == 1.0:
-        return
-    if tensor.is_floating_point():
-        tensor.mul_(factor)
-    else:
-        tensor.copy_(torch.trunc(tensor.to(torch.float64) * factor))
-
-
 class Finisher:
     """Waits for launched collectives in order and runs their completion."""
 
@@ -89,6 +76,8 @@ class Finisher:
         self._queue: "queue.Queue" = queue.Queue()
         self._explain = explain
         self._thread = threading.Thread(target=self._loop, name="hvdlike-finisher", daemon=True)
+
+    def start(self) -> None:
         self._thread.start()
 
     def submit(self, work, finalize: Callable[[], None], fail: Callable[[BaseException], None]):
@@ -108,33 +97,52 @@ class Finisher:
                 fail(self._explain(exc))
 
     def close(self, timeout: float = 5.0) -> None:
+        """Finish what was submitted, then stop (a no-op if never started or closed)."""
+        if not self._thread.is_alive():
+            return
         self._queue.put(None)
         self._thread.join(timeout)
 
 
 class Executor:
-    """Runs responses on the data plane of one process set."""
+    """Runs responses on the data plane of one process set.
 
-    timeline = None  # a core.timeline.Timeline while recording
-    # Completes a batch of (entries, results) at once; the runtime installs its
-    # own (one lock for the queue, one for the handles) when a set goes live.
-    complete_many: Optional[Callable[[List[Entry], List[Any]], None]] = None
-    _batch_started = 0.0
+    Args:
+        groups: the set's :class:`~hvdlike.core.transport.Groups`.
+        rank, size: this rank's place in the set.
+        settings: the runtime's live settings (the fusion threshold, which the
+            autotuner may change between cycles).
+        hooks: where results go (:class:`CompletionHooks`).
+        recording: the runtime's timeline slot (``recording.timeline`` is a
+            Timeline while one records, else None).
+    """
 
-    def __init__(self, groups, rank: int, size: int, fusion_threshold: int, complete: Complete,
-                 explain: Callable[[BaseException], BaseException]):
+    def __init__(self, groups, rank: int, size: int, settings, hooks: CompletionHooks,
+                 recording):
         self.groups = groups
         self.rank = rank
         self.size = size
-        self.fusion_threshold = fusion_threshold
-        self.complete = complete
+        self.settings = settings
+        self.complete = hooks.complete
+        self.complete_many = hooks.complete_many
+        self.explain = hooks.explain
+        self.recording = recording
         self.pool = fusion.BufferPool()
-        self.explain = explain
-        self.finisher = Finisher(explain)
+        self.finisher = Finisher(hooks.explain)
+        self.adasum = AdasumRunner(groups, rank, size)  # its group is made on first use
         self.launched = 0
+        self._batch_started = 0.0
+        self._last_plan: tuple = ([], -1, [])  # (responses, threshold, batches) of the last cycle
 
-    def close(self) -> None:
-        self.finisher.close()
+    @property
+    def fusion_threshold(self) -> int:
+        return self.settings.fusion_threshold
+
+    def start(self) -> None:
+        self.finisher.start()
+
+    def close(self, timeout: float = 5.0) -> None:
+        self.finisher.close(timeout)
         self.pool.clear()
 
     def execute(self, work: Sequence[Work]) -> None:
@@ -148,7 +156,7 @@ class Executor:
         responses = [r for r, _ in runnable]
         for batch in self._plan(responses):
             items = [runnable[i] for i in batch]
-            if self.timeline is not None:
+            if self.recording.timeline is not None:
                 self._batch_started = time.monotonic()
             try:
                 self._launch(items)
@@ -161,8 +169,6 @@ class Executor:
 
     # -- helpers ---------------------------------------------------------------
 
-    _last_plan: tuple = ([], -1, [])  # (responses, threshold, batches) of the last cycle
-
     def _plan(self, responses: List[Response]) -> List[List[int]]:
         """:func:`fusion.plan`, reused while a cycle repeats the previous one.
 
@@ -173,10 +179,11 @@ class Executor:
         if not responses:  # an idle cycle: keep the memo for the next busy one
             return []
         last, threshold, batches = self._last_plan
-        if threshold == self.fusion_threshold and responses == last:
+        current = self.settings.fusion_threshold
+        if threshold == current and responses == last:
             return batches
-        batches = fusion.plan(responses, self.fusion_threshold)
-        self._last_plan = (responses, self.fusion_threshold, batches)
+        batches = fusion.plan(responses, current)
+        self._last_plan = (responses, current, batches)
         return batches
 
     def _submit(self, work, items: List[Work], finalize: Callable[[], List[Any]],
@@ -185,24 +192,19 @@ class Executor:
             results = finalize()
             if release is not None:
                 self.pool.give(release)
-            if self.complete_many is not None:
-                done_entries = [entry for _, entry in items if entry is not None]
-                if len(done_entries) != len(items):  # a joined rank's stand-ins
-                    results = [r for (_, e), r in zip(items, results) if e is not None]
-                self.complete_many(done_entries, results)
-                return
-            for (_, entry), result in zip(items, results):
-                if entry is not None:
-                    self.complete(entry, result, None)
+            done_entries = [entry for _, entry in items if entry is not None]
+            if len(done_entries) != len(items):  # a joined rank's stand-ins
+                results = [r for (_, e), r in zip(items, results) if e is not None]
+            self.complete_many(done_entries, results)
 
         def fail(error: BaseException):
             for _, entry in items:
                 if entry is not None:
                     self.complete(entry, None, error)
 
-        if self.timeline is not None:
-            done = self.timeline.wrap(items, self._batch_started, done,
-                                      getattr(work, "engine", ""))
+        timeline = self.recording.timeline
+        if timeline is not None:
+            done = timeline.wrap(items, self._batch_started, done, getattr(work, "engine", ""))
         self.launched += 1
         if getattr(work, "inline", False):
             # A blocking engine (MPI, see mpi_plane.py) runs on this thread, in
@@ -227,9 +229,8 @@ class Executor:
     def _launch(self, items: List[Work]) -> None:
         op = items[0][0].op
         if op == OpType.ALLREDUCE and items[0][0].reduce_op == ReduceOp.ADASUM:
-            from . import adasum  # never fused: one response per batch
-
-            adasum.launch(self, items)
+            # Never fused: one response per batch; the exchanges run on the finisher.
+            self._submit(None, items, self.adasum.finalizer(items))
         elif op == OpType.ALLREDUCE:
             if len(items) == 1 and items[0][1] is not None:
                 self._allreduce_one(items)

@@ -3,9 +3,10 @@
 A handle is a few slots, not a ``threading.Event``: collectives are
 submitted and completed by the hundred per step, and most handles are
 already complete when someone waits on them. An event to block on is made
-only when a thread actually waits on a pending handle. One module-wide lock
-orders completion against waiting; :func:`finish_many` completes a whole
-fused batch under a single acquisition.
+only when a thread actually waits on a pending handle. One lock per runtime
+(shared by all of its handles) orders completion against waiting;
+:func:`finish_many` completes a whole fused batch under a single acquisition.
+The lock is held only for a few attribute writes, never while waiting.
 """
 
 from __future__ import annotations
@@ -16,23 +17,24 @@ from typing import Any, Callable, Dict, Optional, Sequence
 
 from .errors import HvdlikeInternalError
 
-# Guards the done flag, waiter and callbacks of every handle. Held only for a
-# few attribute writes (a batch of them in finish_many), never while waiting.
-_lock = threading.Lock()
-
-
 class Handle:
     """The pending result of one collective.
 
     Completed exactly once by the runtime, with a result or an exception.
     ``poll()`` never blocks; ``wait()`` blocks until completion, checking
     ``alive`` so a dead runtime turns into an error instead of a hang.
+
+    Args:
+        name: the collective's name.
+        lock: guards the done flag, waiter and callbacks; the runtime passes
+            its own, shared by all its handles (None: a lock of its own).
     """
 
-    __slots__ = ("name", "_done", "_result", "_error", "_callbacks", "_waiter")
+    __slots__ = ("name", "_lock", "_done", "_result", "_error", "_callbacks", "_waiter")
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, lock: Optional[threading.Lock] = None):
         self.name = name
+        self._lock = threading.Lock() if lock is None else lock
         self._done = False
         self._result: Any = None
         self._error: Optional[BaseException] = None
@@ -54,7 +56,7 @@ class Handle:
 
     def add_done_callback(self, fn: Callable[["Handle"], None]) -> None:
         """Call ``fn(handle)`` on completion (at once if already complete)."""
-        with _lock:
+        with self._lock:
             if not self._done:
                 if self._callbacks is None:
                     self._callbacks = [fn]
@@ -64,7 +66,7 @@ class Handle:
         fn(self)
 
     def _finish(self, result: Any, error: Optional[BaseException]) -> None:
-        with _lock:
+        with self._lock:
             if self._done:
                 return
             self._result, self._error = result, error
@@ -94,7 +96,7 @@ class Handle:
 
     def _block(self, alive: Callable[[], Optional[BaseException]],
                timeout: Optional[float]) -> None:
-        with _lock:
+        with self._lock:
             if self._done:
                 return
             waiter = self._waiter
@@ -116,11 +118,14 @@ def finish_many(handles: Sequence[Handle], results: Sequence[Any],
     """Complete ``handles[i]`` with ``results[i]`` (or ``errors[i]``), under one lock.
 
     Equivalent to calling ``set_result``/``set_error`` on each in order; waiters
-    are woken and callbacks run after the lock is released.
+    are woken and callbacks run after the lock is released. The handles must
+    share one lock (they come from one runtime).
     """
+    if not handles:
+        return
     wake = []
     called = []
-    with _lock:
+    with handles[0]._lock:  # one runtime's handles share one lock
         for i, (handle, result) in enumerate(zip(handles, results)):
             if handle._done:
                 continue

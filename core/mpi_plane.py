@@ -25,7 +25,6 @@ released by mpi4py; only Gloo and NCCL work goes to the executor's finisher.
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Callable, List, Mapping, Optional, Sequence
 
@@ -41,8 +40,6 @@ _SPIN_SECONDS = 50e-6
 _MIN_NAP_SECONDS = 10e-6
 _MAX_NAP_SECONDS = 2e-3
 
-_world = None  # COMM_WORLD.Dup() shared by every plane of this process
-_world_lock = threading.Lock()
 
 
 def _mpi():
@@ -104,18 +101,16 @@ def choose(controller: str, cpu_operations: str, launcher: str, rank: int, size:
     return "gloo", "gloo"
 
 
-def world():
-    """This process's private duplicate of COMM_WORLD (made once, collectively)."""
-    global _world
-    with _world_lock:
-        if _world is None:
-            _world = _mpi().COMM_WORLD.Dup()
-        return _world
+def duplicate_world():
+    """A runtime's private duplicate of COMM_WORLD (collective; free it with :func:`free`)."""
+    return _mpi().COMM_WORLD.Dup()
 
 
-def set_comm(ranks: Sequence[int], set_id: int):
-    """A communicator over ``ranks`` (global ranks, in this order); collective over them."""
-    base = world()
+def set_comm(base, ranks: Sequence[int], set_id: int):
+    """A communicator over ``ranks`` (global ranks, in this order) made from ``base``.
+
+    Collective over the members; ``base`` is the runtime's :func:`duplicate_world`.
+    """
     if list(ranks) == list(range(base.Get_size())):
         return base.Dup()
     group = base.Get_group().Incl(list(ranks))
@@ -241,9 +236,6 @@ class _Deferred:
             self._run()
             self._done = True
         return True
-
-    def is_completed(self) -> bool:
-        return self._done
 
 
 def _reduce_ops():

@@ -1,10 +1,20 @@
 """The runtime object: one per ``init()``, owning everything that runs.
 
 Module-level API functions (``hvdlike.rank()``, ``hvdlike.torch.allreduce``...)
-delegate to the single current :class:`Runtime`; nothing else holds global
-state. A runtime owns the store connection, one :class:`ProcessSetState` per
-process set (groups, controller, executor, queue) and the background thread
-that cycles through them.
+delegate to the current :class:`Runtime` (held by :mod:`.current`, the only
+process-wide state). A runtime owns the store connection, the process-set
+registry (one :class:`~.set_state.ProcessSetState` per set: groups,
+controller, executor, queue), the timeline slot, the live settings and the
+autotuner, the health watcher, and the background thread that cycles
+through the sets.
+
+Life cycle: :meth:`Runtime.build` bootstraps and wires every part (the
+global set's groups rendezvous here, static process sets are registered, a
+configured timeline file is opened) without starting a thread;
+:meth:`Runtime.start` starts the threads; :meth:`Runtime.shutdown` negotiates
+the stop with every rank and :meth:`Runtime.close` frees everything. A
+re-form is ``close()`` of the old runtime and ``build()``/``start()`` of a
+new one with the next generation number.
 """
 
 from __future__ import annotations
@@ -13,123 +23,93 @@ import dataclasses
 import os
 import threading
 import time
-from typing import Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence
 
-from . import bootstrap, config as config_mod
-from .controller import Controller
+from . import autotune, bootstrap, config as config_mod
 from .errors import HvdlikeInternalError
-from .messages import OpType
-from .executor import Executor
+from .executor import CompletionHooks
 from .handles import Handle, finish_many
 from .health import Health
 from .job_store import JobStore
 from .log import configure as configure_logging, logger
-from .tensor_queue import Entry, TensorQueue
-from .transport import GlooControlPlane, Groups
+from .messages import OpType
+from .registry import ProcessSetRegistry
+from .set_state import ProcessSetState, SetParts
+from .tensor_queue import Entry
+from .timeline import Recording
 
 # Idle back-off of the background loop (see Runtime._loop).
 _IDLE_CYCLES_BEFORE_BACKOFF = 8
 _IDLE_PAUSE_MAX_SECONDS = 0.05
 _SUBSET_POLL_SECONDS = 0.002
 
-_generation = 0  # init() count in this process; names store keys of each init apart
-_generation_lock = threading.Lock()
-
-
-class ProcessSetState:
-    """Everything one process set needs on a member rank."""
-
-    def __init__(self, set_id: int, ranks: Sequence[int], global_rank: int, store, cfg,
-                 local_addr: str, complete, explain, engines=("gloo", "gloo"),
-                 abandon=lambda: None, shm=None):
-        self.id = set_id
-        self.ranks = list(ranks)
-        self.rank = self.ranks.index(global_rank)
-        self.size = len(self.ranks)
-        self.queue = TensorQueue()
-        import torch.distributed as dist
-
-        controller_engine, cpu_engine = engines
-        self.groups = Groups(dist.PrefixStore(f"ps{set_id}/", store), self.rank, self.size,
-                             cfg.gloo_timeout_seconds, local_addr,
-                             gloo_control=controller_engine == "gloo")
-        control = (GlooControlPlane(self.groups.control, self.rank, self.size)
-                   if controller_engine == "gloo" else None)
-        if "mpi" in engines:
-            from . import mpi_plane
-
-            comm = mpi_plane.set_comm(self.ranks, set_id)
-            if cpu_engine == "mpi":
-                self.groups.cpu_plane = mpi_plane.MpiDataGroup(
-                    comm.Dup(), lambda: self.groups.torch_group("cpu"))
-            if control is None:
-                control = mpi_plane.MpiControlPlane(comm, self.rank, self.size, abandon)
-                self.groups.closers.append(control.close)
-            else:
-                mpi_plane.free(comm)  # only its duplicate (the data plane) is used
-        if shm is not None and self.size > 1 and "gloo" in engines:
-            from . import shm_plane
-
-            data, shm_control = shm_plane.for_set(
-                shm, self.groups.store, self.rank, self.ranks,
-                lambda: self.groups.torch_group("cpu"), abandon,
-                data=cpu_engine == "gloo", control=controller_engine == "gloo")
-            if data is not None:
-                self.groups.cpu_plane = data
-            if shm_control is not None:
-                control = shm_control
-                self.groups.closers.append(control.close)
-        self.controller = Controller(control, cfg.cache_capacity)
-        self.executor = Executor(self.groups, self.rank, self.size, cfg.fusion_threshold,
-                                 complete, explain)
-
-    def close(self) -> None:
-        self.executor.close()
-        self.groups.close()
-
 
 class Runtime:
-    """A live hvdlike job in this process."""
+    """A live hvdlike job in this process (see the module docstring for its life cycle).
 
-    timeline = None  # a core.timeline.Timeline while recording (see core/timeline.py)
-    engines = ("gloo", "gloo")  # (negotiation, CPU tensors): see mpi_plane.choose
-    shm = None  # shm_plane.Settings when ranks of this host may share memory
+    Attributes:
+        config: the frozen :class:`~.config.Config`.
+        topology, rendezvous: who this rank is and where the store is.
+        generation: this runtime's number in the process (names its store keys).
+        sets: the :class:`~.registry.ProcessSetRegistry`.
+        recording: the timeline slot (:class:`~.timeline.Recording`).
+        settings: the live settings (:class:`~.autotune.LiveSettings`).
+        autotuner: the :class:`~.autotune.Autotuner` while tuning, else None.
+        engines: ``(negotiation, CPU tensors)`` engines, see ``mpi_plane.choose``.
+    """
 
     def __init__(self, cfg: config_mod.Config, topology: bootstrap.Topology,
-                 rendezvous: bootstrap.Rendezvous):
+                 rendezvous: bootstrap.Rendezvous, generation: int = 1):
         self.config = cfg
         self.topology = topology
         self.rendezvous = rendezvous
-        self.process_sets: Dict[int, ProcessSetState] = {}
+        self.generation = generation
         self.fatal: Optional[BaseException] = None
         self._stopping = False
         self._flush = threading.Event()  # a user thread waits on a pending handle
         self._stopped = threading.Event()
+        self._closed = False
         self._thread: Optional[threading.Thread] = None
-        self._name_counters: Dict[str, int] = {}
-        self._name_lock = threading.Lock()
-        self._next_set_id = 1
-        # Every registered set, member or not (copy-on-write, like process_sets).
-        self.set_ranks: Dict[int, List[int]] = {}
-        self.set_change_lock = threading.RLock()  # one add/remove at a time per process
-        self._set_changes: Dict[str, Callable[[], None]] = {}
-        self._set_changes_lock = threading.Lock()
-        self._set_change_count = 0
+        self._counters: Dict[str, int] = {}
+        self._counter_lock = threading.Lock()
+        self.handle_lock = threading.Lock()  # shared by every handle of this runtime
+        self.engines = ("gloo", "gloo")
+        self.mpi_world = None
+        self.shm = None  # shm_plane.Settings when ranks of this host may share memory
+        self.job_store: Optional[JobStore] = None
+        self.store_prefix = f"gen{generation}/"
         self.store = None
+        self.local_addr = ""
         self.health: Optional[Health] = None
-        # Settings the background thread applies; the autotuner changes them
-        # (between cycles, alike on every rank) while it searches.
-        self.fusion_threshold = cfg.fusion_threshold
-        self.cycle_seconds = cfg.cycle_time / 1000.0
-        self.autotuner = None  # a core.autotune.Autotuner while tuning
+        self.settings = autotune.LiveSettings(cfg.fusion_threshold, cfg.cycle_time)
+        self.autotuner: Optional[autotune.Autotuner] = None
+        self.recording = Recording(topology.rank, cfg.timeline_max_bytes)
+        self.hooks = CompletionHooks(self._complete, self._complete_many, self._explain)
+        self.sets: Optional[ProcessSetRegistry] = None
 
     # -- life cycle --------------------------------------------------------------
 
     @classmethod
-    def start(cls, environ: Optional[Mapping[str, str]] = None, process_sets=(),
-              **overrides) -> "Runtime":
-        """Bootstrap from ``environ``, register ``process_sets``, start the background thread."""
-        global _generation
+    def build(cls, environ: Optional[Mapping[str, str]] = None, process_sets=(),
+              generation: int = 1, **overrides) -> "Runtime":
+        """Bootstrap from ``environ`` and wire every part; no thread runs yet.
+
+        Collective: every rank builds its runtime at the same point (the global
+        set's groups rendezvous, ``process_sets`` are checked across ranks).
+
+        Args:
+            environ: the environment (default ``os.environ``).
+            process_sets: :class:`~.process_sets.ProcessSet` objects to register
+                (the same on every rank); their ids are set.
+            generation: this runtime's number in the process; successive
+                runtimes of a job must use increasing numbers (their store keys
+                live apart under ``gen<N>/``).
+            **overrides: knob values by config field name.
+
+        Raises:
+            ConfigError: a bad knob value.
+            HvdlikeInternalError: the other ranks could not be reached.
+        """
         environ = os.environ if environ is None else environ
         from .elastic.worker import enter_generation
 
@@ -137,189 +117,141 @@ class Runtime:
         cfg = config_mod.load(environ, **overrides)
         topology, rendezvous = bootstrap.detect(environ, cfg.start_timeout)
         configure_logging(cfg.log_level_number, topology.rank)
-        runtime = cls(cfg, topology, rendezvous)
-        with _generation_lock:
-            _generation += 1
-            generation = _generation
+        runtime = cls(cfg, topology, rendezvous, generation)
+        try:
+            runtime._wire(environ, list(process_sets or ()))
+        except BaseException:
+            runtime.close()
+            raise
+        return runtime
+
+    def _wire(self, environ: Mapping[str, str], process_sets: list) -> None:
         import torch.distributed as dist
 
+        from . import mpi_plane, shm_plane
         from .elastic.protocol import store_prefix
 
-        prefix = store_prefix(environ, generation)  # elastic: the launcher's generation
-        runtime.job_store = JobStore(topology, rendezvous, cfg.start_timeout)
-        base = runtime.job_store.connect()
-        runtime.store = dist.PrefixStore(prefix, base)
+        cfg, topology, rendezvous = self.config, self.topology, self.rendezvous
+        # elastic: the launcher's generation names the keys, else this runtime's.
+        self.store_prefix = store_prefix(environ, self.generation)
+        self.job_store = JobStore(topology, rendezvous, cfg.start_timeout)
+        self.store = dist.PrefixStore(self.store_prefix, self.job_store.connect())
         local_addr = rendezvous.gloo_iface
         if not local_addr:
             local_addr = (bootstrap.local_address_towards(rendezvous.addr, rendezvous.port)
                           if rendezvous.addr else "127.0.0.1")
-        runtime.local_addr = local_addr
-        from . import mpi_plane
-
-        runtime.engines = mpi_plane.choose(cfg.controller, cfg.cpu_operations,
-                                           rendezvous.launcher, topology.rank, topology.size,
-                                           environ)
-        from . import shm_plane
-
-        runtime.shm = shm_plane.settings(cfg, topology, rendezvous)
+        self.local_addr = local_addr
+        self.engines = mpi_plane.choose(cfg.controller, cfg.cpu_operations,
+                                        rendezvous.launcher, topology.rank, topology.size,
+                                        environ)
+        if "mpi" in self.engines:
+            self.mpi_world = mpi_plane.duplicate_world()
+        self.shm = shm_plane.settings(cfg, topology, rendezvous)
+        parts = SetParts(topology.rank, self.store, cfg, local_addr, self.engines,
+                         self.mpi_world, self.shm, self.hooks, self.settings, self.recording,
+                         lambda: self.fatal)
+        self.sets = ProcessSetRegistry(topology.size, parts, self.submit, self.wait,
+                                       self.alive_error)
         try:
-            runtime.add_process_set(0, range(topology.size))
-            runtime.job_store.joined()
+            self.sets.register_global()
+            self.job_store.joined()
         except Exception as exc:
-            runtime.job_store.close()
             raise HvdlikeInternalError(
                 f"rank {topology.rank} could not connect to the other {topology.size - 1} "
                 f"rank(s) (Gloo on {local_addr or 'default interface'}): {exc}") from None
+        # Static sets are live from the first cycle on every rank: registered
+        # before the background thread starts cycling.
+        self.sets.register_static(process_sets)
+        if cfg.autotune:
+            self.autotuner = autotune.build(cfg, topology.rank,
+                                            self.sets.states[0].controller.control.broadcast,
+                                            self.settings)
+        if cfg.timeline:
+            self.recording.open(cfg.timeline, cfg.timeline_mark_cycles)
+
+    def start(self) -> "Runtime":
+        """Start the threads: health watcher, completion threads, timeline writer,
+        background loop. Returns the runtime."""
+        if self._thread is not None:
+            raise HvdlikeInternalError("this runtime was started already")
+        cfg, topology = self.config, self.topology
         if topology.size > 1:
-            health_store = dist.PrefixStore(
-                prefix, runtime.job_store.connect())
-            runtime.health = Health(health_store, topology.rank, topology.size,
-                                    topology.hostname, cfg, runtime._waiting_since,
-                                    runtime._set_fatal, runtime._members)
-        try:
-            # Static sets are live from the first cycle on every rank: registered
-            # before the background thread starts cycling.
-            from .process_sets import register_static
+            import torch.distributed as dist
 
-            register_static(runtime, list(process_sets or ()))
-            if cfg.autotune:
-                from . import autotune
-
-                runtime.autotuner = autotune.for_runtime(runtime)
-            if cfg.timeline:
-                from . import timeline
-
-                timeline.start(runtime, cfg.timeline, cfg.timeline_mark_cycles)
-        except BaseException:
-            for state in runtime.process_sets.values():
-                state.close()
-            if getattr(runtime, "health", None) is not None:
-                runtime.health.close(clean=True)
-            runtime.job_store.close()
-            raise
+            health_store = dist.PrefixStore(self.store_prefix, self.job_store.connect())
+            self.health = Health(health_store, topology.rank, topology.size,
+                                 topology.hostname, cfg, self.sets.waiting_since,
+                                 self._set_fatal, self.sets.members)
+        self.sets.start()
+        self.recording.start()
         if topology.rank == 0:
             logger.info("hvdlike started: %d rank(s), launcher %s, settings:\n%s",
-                        topology.size, rendezvous.launcher, cfg.describe())
-        runtime._thread = threading.Thread(target=runtime._loop, name="hvdlike-background",
-                                           daemon=True)
-        runtime._thread.start()
-        return runtime
+                        topology.size, self.rendezvous.launcher, cfg.describe())
+        self._thread = threading.Thread(target=self._loop, name="hvdlike-background",
+                                        daemon=True)
+        self._thread.start()
+        return self
 
-    def add_process_set(self, set_id: int, ranks: Sequence[int]) -> Optional[ProcessSetState]:
-        """Build and install a process set (only before the background thread runs)."""
-        state = self.build_process_set(set_id, ranks)
-        self.install_process_set(set_id, ranks, state)
-        return state
+    @property
+    def process_sets(self) -> Dict[int, ProcessSetState]:
+        """``{set id: state}`` of the sets this rank belongs to."""
+        return self.sets.states if self.sets is not None else {}
 
-    def build_process_set(self, set_id: int, ranks: Sequence[int]) -> Optional[ProcessSetState]:
-        """Create the groups of a process set; a no-op (None) on non-member ranks.
-
-        Blocks until every member has called it (the groups rendezvous).
-        """
-        ranks = list(ranks)
-        if self.topology.rank not in ranks:
-            return None
-        state = ProcessSetState(set_id, ranks, self.topology.rank, self.store, self.config,
-                                self.local_addr, self._complete, self._explain, self.engines,
-                                lambda: self.fatal, self.shm)
-        return state
-
-    def install_process_set(self, set_id: int, ranks: Sequence[int],
-                            state: Optional[ProcessSetState]) -> None:
-        """Make a built set live: before the thread starts, or on it between cycles.
-
-        The tables are replaced, never mutated, so the background thread and
-        submitting threads always read a consistent table without a lock.
-        """
-        self.set_ranks = {**self.set_ranks, set_id: list(ranks)}
-        if state is not None:
-            state.executor.complete_many = self._complete_many
-            if self.timeline is not None:
-                self.timeline.bind(state)
-            state.executor.fusion_threshold = self.fusion_threshold
-            self.process_sets = {**self.process_sets, set_id: state}
-
-    def uninstall_process_set(self, set_id: int) -> None:
-        """Retire a set on the background thread: fail what is pending, free its groups."""
-        self.set_ranks = {k: v for k, v in self.set_ranks.items() if k != set_id}
-        state = self.process_sets.get(set_id)
-        if state is None:
-            return
-        self.process_sets = {k: v for k, v in self.process_sets.items() if k != set_id}
-        reason = HvdlikeInternalError(
-            f"process set {set_id} was removed before this collective completed")
-        state.executor.finisher.close(self.config.gloo_timeout_seconds)
-        for entry in state.controller.pending_entries() + state.queue.drain():
-            self._complete(entry, None, reason)
-        state.groups.close()
-        state.executor.pool.clear()
-
-    def next_set_id(self) -> int:
-        with self._name_lock:
-            set_id = self._next_set_id
-            self._next_set_id += 1
-        return set_id
-
-    def next_set_change(self) -> int:
-        """Serial number of an add/remove call (the same on every rank)."""
-        with self._name_lock:
-            self._set_change_count += 1
-            return self._set_change_count
-
-    def change_process_sets(self, name: str, change: Callable[[], None]) -> None:
-        """Run ``change`` on the background thread in the same cycle on every rank.
-
-        Submits a barrier named ``name`` on the global set; the cycle whose
-        responses include it ends by running ``change``, so every member starts
-        (or stops) cycling a set in the same cycle.
-        """
-        from .collectives import barrier_entry
-
-        applied = threading.Event()
-        errors: List[BaseException] = []
-
-        def apply() -> None:
-            try:
-                change()
-            except BaseException as exc:
-                errors.append(exc)
-            finally:
-                applied.set()
-
-        with self._set_changes_lock:
-            self._set_changes = {**self._set_changes, name: apply}
-        self.wait(self.submit([barrier_entry(name)], 0)[0])
-        while not applied.wait(0.05):
-            error = self.alive_error()
-            if error is not None:
-                raise HvdlikeInternalError(f"process set change {name!r} failed: {error}")
-        if errors:
-            raise errors[0]
-
-    def _take_set_changes(self, work) -> List[Callable[[], None]]:
-        with self._set_changes_lock:
-            changes = dict(self._set_changes)
-            taken = [changes.pop(response.name) for response, _ in work
-                     if response.name in changes]
-            self._set_changes = changes
-        return taken
+    def counter(self, kind: str) -> int:
+        """The next number of ``kind`` in this runtime (0, 1, ...): optimizer and
+        layer instances, which every rank creates in the same order."""
+        with self._counter_lock:
+            n = self._counters.get(kind, 0)
+            self._counters[kind] = n + 1
+        return n
 
     def shutdown(self, timeout: Optional[float] = None) -> None:
         """Stop negotiating (every rank stops), fail what is pending, free everything."""
+        if self._thread is None:
+            self.close()
+            return
         if not self._stopping and self.fatal is None and self.health is not None:
             self.health.announce("shut down (called shutdown() or its script ended)")
         self._stopping = True
         for state in list(self.process_sets.values()):
             state.queue.wakeup.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
+        if self._thread is not threading.current_thread():
             limit = timeout if timeout is not None else self.config.gloo_timeout_seconds + 5
             self._thread.join(limit)
         if self._stopped.wait(1.0):
-            # Break the runtime <-> executor/health reference cycles so sockets
-            # and threads are released now, not whenever the cyclic GC runs.
-            self.process_sets = {}
-            self.health = None
-            self.store = None
+            self.close()
+
+    def close(self) -> None:
+        """Free everything this runtime holds (idempotent).
+
+        After a started runtime's background thread has ended (:meth:`shutdown`),
+        or on a runtime that never started (a failed :meth:`build`). Breaks the
+        runtime <-> executor/health reference cycles so sockets and threads are
+        released now, not whenever the cyclic GC runs.
+        """
+        if self._closed:
+            return
+        if self._thread is not None and not self._stopped.is_set():
+            return  # the background thread still owns the parts: shutdown() first
+        self._closed = True
+        if self._thread is None:  # never started: nothing ran, nothing is pending
+            self._stopping = True
+            self._stopped.set()
+        sets, self.sets = self.sets, None  # the registry's parts hold this runtime's hooks
+        if sets is not None:
+            sets.close()
+        if self.health is not None and self._thread is None:  # start() failed midway
+            self.health.close(clean=True)
+        self.health = None  # otherwise closed by the background thread's teardown
+        self.recording.close()
+        self.autotuner = None
+        if self.mpi_world is not None:
+            from . import mpi_plane
+
+            mpi_plane.free(self.mpi_world)
+            self.mpi_world = None
+        self.store = None
+        if self.job_store is not None:
             self.job_store.close()  # a store this rank hosted (mpirun, srun)
 
     def abort(self, reason: str) -> None:
@@ -334,10 +266,6 @@ class Runtime:
             self.health.announce(reason)
         self._set_fatal(HvdlikeInternalError(f"rank {self.topology.rank}: {reason}"))
 
-    @property
-    def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
     def alive_error(self) -> Optional[BaseException]:
         """None while handles can still complete; otherwise why they cannot."""
         if self.fatal is not None:
@@ -351,27 +279,14 @@ class Runtime:
     def auto_name(self, op: str, set_id: int = 0) -> str:
         """Names for unnamed collectives: per-(set, op) counters agree across members."""
         key = op if set_id == 0 else f"{op}.ps{set_id}"
-        with self._name_lock:
-            n = self._name_counters.get(key, 0)
-            self._name_counters[key] = n + 1
-        return f"{key}.noname.{n}"
+        return f"{key}.noname.{self.counter(key)}"
 
     def process_set(self, set_id: int) -> ProcessSetState:
-        """The state of a set this rank belongs to.
-
-        Raises:
-            ValueError: the set is not registered, or this rank is not a member.
-        """
-        state = self.process_sets.get(set_id)
-        if state is None:
-            ranks = self.set_ranks.get(set_id)
-            if ranks is None:
-                raise ValueError(f"process set {set_id} is not registered (never added, or "
-                                 f"removed)")
-            raise ValueError(
-                f"rank {self.topology.rank} is not a member of process set {set_id} "
-                f"(ranks {ranks}); only its members may call collectives on it")
-        return state
+        """The state of a set this rank belongs to (ValueError if none, see the registry)."""
+        sets = self.sets
+        if sets is None:
+            raise HvdlikeInternalError("hvdlike has shut down")
+        return sets.state(set_id)
 
     def submit(self, entries: List[Entry], set_id: int = 0, origin: str = "") -> List[Handle]:
         """Hand entries to the background thread; return their handles.
@@ -389,7 +304,9 @@ class Runtime:
         if set_id != 0:
             self._to_set_roots(entries, state)
         now = time.monotonic()
+        lock = self.handle_lock
         for entry in entries:
+            entry.handle = Handle(entry.request.name, lock)
             entry.enqueued_at = now
             entry.set_id = set_id
             entry.origin = origin
@@ -460,17 +377,6 @@ class Runtime:
             self.fatal = error
             logger.error("%s", error)
 
-    def _waiting_since(self) -> Dict[tuple, float]:
-        """``{(process set id, name): submission time}`` of everything pending here."""
-        waiting: Dict[tuple, float] = {}
-        for set_id, state in list(self.process_sets.items()):
-            for name, since in state.queue.waiting_since().items():
-                waiting[(set_id, name)] = since
-        return waiting
-
-    def _members(self, set_id: int) -> List[int]:
-        return self.set_ranks.get(set_id) or list(range(self.topology.size))
-
     def _explain(self, error: BaseException) -> BaseException:
         """Turn a transport failure into the job's fatal error, naming dead peers."""
         if self.fatal is not None:
@@ -486,7 +392,7 @@ class Runtime:
         idle_cycles = 0
         try:
             while self.fatal is None:
-                cycle_seconds = self.cycle_seconds  # the autotuner may change it
+                cycle_seconds = self.settings.cycle_seconds  # the autotuner may change it
                 started = time.monotonic()
                 if self._cycle_all():
                     break
@@ -543,7 +449,7 @@ class Runtime:
         """
         states = self.process_sets  # replaced, never mutated, while this thread runs
         changes = None
-        timeline = self.timeline
+        timeline = self.recording.timeline
         if timeline is not None:
             timeline.cycle()
         for set_id in sorted(states):
@@ -554,8 +460,8 @@ class Runtime:
                 timeline.negotiated(state, result)
             if result.shutdown:
                 return True
-            if set_id == 0 and self._set_changes:
-                changes = self._take_set_changes(result.work)
+            if set_id == 0 and self.sets.has_changes():
+                changes = self.sets.take_changes(result.work)
             if set_id == 0 and self.autotuner is not None and self.autotuner.cycle(result.work):
                 self.autotuner = None  # settled: every rank keeps the chosen settings
             state.executor.execute(result.work)
@@ -580,18 +486,13 @@ class Runtime:
         return f"{text}: {who}"
 
     def _teardown(self) -> None:
+        """The background thread's last act: fail what is pending, stop the parts."""
         reason = self.fatal or HvdlikeInternalError(self._shutdown_reason())
         for state in self.process_sets.values():
-            state.executor.finisher.close(self.config.gloo_timeout_seconds)
-            for entry in state.controller.pending_entries() + state.queue.drain():
-                self._complete(entry, None, reason)
+            self.sets.fail_pending(state, reason)
         for state in self.process_sets.values():
-            state.groups.close()
-            state.executor.pool.clear()
+            state.close(0)  # its completion thread was stopped just above
         if self.health is not None:
             self.health.close(clean=self.fatal is None)
-        if self.timeline is not None:
-            from . import timeline
-
-            timeline.stop(self)
+        self.recording.close()
         self._stopped.set()

@@ -21,7 +21,8 @@ class Entry:
         tensor: input tensor (torch, contiguous).
         output: tensor the result is written to (may be ``tensor`` for in-place
             ops), or None when the executor allocates it.
-        handle: completed when the collective finishes.
+        handle: completed when the collective finishes (made by the runtime on
+            submission, with the runtime's handle lock).
         finish: optional hook turning the raw result into what the handle holds.
         enqueued_at: monotonic time of submission (stall inspector, timeline).
         negotiated_at: monotonic time the ranks agreed to run it (set only while
@@ -32,7 +33,7 @@ class Entry:
     request: Request
     tensor: Any
     output: Any
-    handle: Handle
+    handle: Optional[Handle]
     finish: Optional[Callable[[Any], Any]] = None
     enqueued_at: float = 0.0
     set_id: int = 0

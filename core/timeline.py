@@ -86,8 +86,12 @@ class Timeline:
         self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._write_loop, name="hvdlike-timeline",
                                         daemon=True)
-        self._writer.start()
         self._meta(0, "process_name", {"name": f"hvdlike rank {rank} cycles"})
+
+    def start(self) -> None:
+        """Start the writer thread (events recorded before it wait in the queue)."""
+        if self._writer.ident is None:
+            self._writer.start()
 
     # -- writing ---------------------------------------------------------------------
 
@@ -121,6 +125,7 @@ class Timeline:
 
     def close(self) -> None:
         """Write what is queued, end the JSON array and close the file."""
+        self.start()
         self._queue.put(None)
         self._writer.join(30.0)
 
@@ -150,10 +155,6 @@ class Timeline:
         self._emit(event)
 
     # -- hooks -----------------------------------------------------------------------
-
-    def bind(self, state) -> None:
-        """Record the process set ``state`` (a runtime ``ProcessSetState``)."""
-        bind(state, self)
 
     def cycle(self) -> None:
         """Start of a background cycle (only recorded with ``mark_cycles``)."""
@@ -246,46 +247,56 @@ def _path_for(path: str, rank: int) -> Optional[str]:
     return path if rank == 0 else None
 
 
-def start(runtime, file_path: str, mark_cycles: bool = False,
-          max_bytes: Optional[int] = None) -> None:
-    """Start recording on ``runtime`` (replacing a timeline already running).
+class Recording:
+    """A runtime's timeline slot: the Timeline recording now, or None.
 
-    ``max_bytes`` None: the ``timeline_max_bytes`` knob.
+    The runtime makes one and hands it to every executor and controller it
+    builds; they read :attr:`timeline` at each hook, so starting or stopping
+    a recording (``hvd.start_timeline``/``stop_timeline``) changes nothing
+    but this slot.
+
+    Args:
+        rank: this process's global rank (names the file, picks who writes).
+        default_max_bytes: the ``timeline_max_bytes`` knob.
     """
-    if not isinstance(file_path, str) or not file_path:
-        raise ValueError(f"start_timeline: file_path must be a non-empty str, got {file_path!r}")
-    if max_bytes is None:
-        max_bytes = runtime.config.timeline_max_bytes
-    check_max_bytes(max_bytes, "start_timeline: max_bytes")
-    stop(runtime)
-    path = _path_for(file_path, runtime.topology.rank)
-    if path is None:
-        return
-    try:
-        timeline = Timeline(path, bool(mark_cycles), runtime.topology.rank, max_bytes)
-    except OSError as exc:
-        raise ValueError(f"start_timeline: cannot write {path!r}: {exc}") from None
-    attach(runtime, timeline)
 
+    def __init__(self, rank: int, default_max_bytes: int = DEFAULT_MAX_BYTES):
+        self.rank = rank
+        self.default_max_bytes = default_max_bytes
+        self.timeline: Optional[Timeline] = None
 
-def bind(state, timeline: Optional[Timeline]) -> None:
-    """Point one process set's hooks at ``timeline`` (None: stop recording it)."""
-    state.executor.timeline = timeline
-    coordinator = state.controller.coordinator
-    if coordinator is not None:
-        coordinator.record_arrivals = timeline is not None
+    def recording(self) -> bool:
+        return self.timeline is not None
 
+    def open(self, file_path: str, mark_cycles: bool = False,
+             max_bytes: Optional[int] = None) -> None:
+        """Open a new file (closing the one open); its writer starts with :meth:`start`.
 
-def attach(runtime, timeline: Optional[Timeline]) -> None:
-    runtime.timeline = timeline
-    for state in list(runtime.process_sets.values()):
-        bind(state, timeline)
+        Raises:
+            ValueError: an empty path, a path that cannot be written, or a bad
+                ``max_bytes`` (None: the knob).
+        """
+        if not isinstance(file_path, str) or not file_path:
+            raise ValueError(f"start_timeline: file_path must be a non-empty str, "
+                             f"got {file_path!r}")
+        if max_bytes is None:
+            max_bytes = self.default_max_bytes
+        check_max_bytes(max_bytes, "start_timeline: max_bytes")
+        self.close()
+        path = _path_for(file_path, self.rank)
+        if path is None:
+            return
+        try:
+            self.timeline = Timeline(path, bool(mark_cycles), self.rank, max_bytes)
+        except OSError as exc:
+            raise ValueError(f"start_timeline: cannot write {path!r}: {exc}") from None
 
+    def start(self) -> None:
+        if self.timeline is not None:
+            self.timeline.start()
 
-def stop(runtime) -> None:
-    """Stop recording and close the file (a no-op when not recording)."""
-    timeline = runtime.timeline
-    if timeline is None:
-        return
-    attach(runtime, None)
-    timeline.close()
+    def close(self) -> None:
+        """Stop recording and close the file (a no-op when not recording)."""
+        timeline, self.timeline = self.timeline, None
+        if timeline is not None:
+            timeline.close()

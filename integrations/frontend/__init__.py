@@ -10,10 +10,12 @@ framework-neutral and lives here once.
   :func:`submit`, :func:`barrier`, :func:`join`.
 * :mod:`.arrays`: :class:`ArrayOps`, the whole collective grid generated from
   an :class:`Adapter` (two conversion functions).
+* :mod:`.objects`: :func:`broadcast_object`, :func:`allgather_object`.
 """
 
 from .arrays import Adapter, ArrayOps
+from .objects import allgather_object, broadcast_object
 from .submit import GroupHandle, barrier, join, poll, submit, synchronize
 
-__all__ = ["Adapter", "ArrayOps", "GroupHandle", "barrier", "join", "poll", "submit",
-           "synchronize"]
+__all__ = ["Adapter", "ArrayOps", "GroupHandle", "allgather_object", "barrier",
+           "broadcast_object", "join", "poll", "submit", "synchronize"]

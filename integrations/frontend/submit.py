@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, List, Optional
 
-from hvdlike.core import api
+from hvdlike.core import api, current
 from hvdlike.core import collectives as core
 from hvdlike.core.errors import DuplicateNameError, HvdlikeInternalError
 from hvdlike.core.handles import Handle
@@ -45,9 +45,9 @@ def poll(handle) -> bool:
 
 def wait(handle: Handle, timeout: Optional[float] = None):
     """Wait for one handle; after ``shutdown()`` only already-completed handles return."""
-    current = api._runtime
-    if current is not None:
-        return current.wait(handle, timeout)
+    runtime = current.get()
+    if runtime is not None:
+        return runtime.wait(handle, timeout)
     # shutdown() completed every pending handle with HvdlikeInternalError (Horovod's
     # HorovodInternalError), which waiting raises here; a handle it did not know
     # cannot complete any more.

@@ -17,7 +17,7 @@ import numpy as np
 from hvdlike.core.process_sets import global_process_set
 from hvdlike.frontend import synchronize
 from hvdlike.frontend.submit import name_for
-from hvdlike.torch.objects import broadcast_object
+from hvdlike.frontend.objects import broadcast_object
 
 from . import ops
 from .convert import FRONTEND, is_traced

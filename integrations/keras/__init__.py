@@ -27,7 +27,7 @@ from hvdlike.core.errors import HorovodInternalError, HvdlikeInternalError, Mism
 from hvdlike.core.messages import ReduceOp
 from hvdlike.core.process_sets import ProcessSet, global_process_set
 from hvdlike.frontend import barrier, join
-from hvdlike.torch.objects import allgather_object, broadcast_object
+from hvdlike.frontend.objects import allgather_object, broadcast_object
 
 from .backend import allgather, allreduce, broadcast, broadcast_variables, grouped_allreduce
 from . import callbacks  # after .backend: its import error is the helpful one

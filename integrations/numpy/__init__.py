@@ -21,7 +21,7 @@ from hvdlike.core.errors import HorovodInternalError, HvdlikeInternalError, Mism
 from hvdlike.core.messages import ReduceOp
 from hvdlike.core.process_sets import ProcessSet, global_process_set
 from hvdlike.frontend import ArrayOps, barrier, join, poll, synchronize
-from hvdlike.torch.objects import allgather_object, broadcast_object
+from hvdlike.frontend.objects import allgather_object, broadcast_object
 
 from . import elastic
 from .convert import NumpyAdapter

@@ -23,7 +23,7 @@ from hvdlike.core.process_sets import (
 
 from . import elastic
 from .compression import Compression
-from .objects import allgather_object, broadcast_object
+from hvdlike.frontend.objects import allgather_object, broadcast_object
 from .ops import (
     Adasum, Average, Max, Min, Product, Sum, allgather_async, allreduce_, allreduce_async,
     allreduce_async_, alltoall_async, barrier, broadcast_, broadcast_async, broadcast_async_,

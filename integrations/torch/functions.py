@@ -15,7 +15,7 @@ import torch
 from hvdlike.core.process_sets import global_process_set
 
 from . import ops
-from .objects import broadcast_object
+from hvdlike.frontend.objects import broadcast_object
 
 
 def _named_tensors(params, what: str) -> List[Tuple[str, torch.Tensor]]:

@@ -25,7 +25,6 @@ round is open does nothing: the gradients are already reduced.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import warnings
 import weakref
 from typing import Dict, Iterable, List, Tuple
@@ -33,6 +32,7 @@ from typing import Dict, Iterable, List, Tuple
 import torch
 
 from hvdlike.core import api as _core_api
+from hvdlike.core import current as _current
 from hvdlike.core.process_sets import global_process_set
 
 from . import buckets as _buckets
@@ -71,7 +71,7 @@ class _Distributed:
         self._hvd_user_names = _check_named_parameters(named_parameters, self.param_groups)
         # Two optimizers (a GAN's) may both own "0.weight": the second and later
         # ones prefix their names. Build them in the same order on every rank.
-        index = next(_instances)
+        index = _current.instance_number("DistributedOptimizer")
         self._hvd_prefix = "" if index == 0 else f"opt{index}."
         # Per-parameter tables are keyed by id(p): a tensor's own __hash__ is a
         # Python call, and the hooks look parameters up hundreds of times a step.
@@ -353,7 +353,6 @@ class _Distributed:
 
 
 _CLASSES: Dict[type, type] = {}
-_instances = itertools.count()
 
 
 def _take_over(p: torch.Tensor, optimizer: _Distributed):

@@ -15,20 +15,16 @@ them; the input gradient is that of the sum of all ranks' losses, as in
 
 from __future__ import annotations
 
-import itertools
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from hvdlike.core import api
+from hvdlike.core import current
 from hvdlike.core.process_sets import global_process_set
 
 from . import ops
-
-_layer_ids = itertools.count()
-
 
 def _channels_last_2d(x: torch.Tensor) -> torch.Tensor:
     """``(N, C, *)`` -> ``(C, N * prod(*))``."""
@@ -130,7 +126,7 @@ class SyncBatchNorm(_BatchNorm):
         super().__init__(num_features, eps, momentum, affine, track_running_stats,
                          device=device, dtype=dtype)
         self.process_set = process_set
-        self.sync_name = name if name is not None else f"SyncBatchNorm.{next(_layer_ids)}"
+        self.sync_name = name if name is not None else f"SyncBatchNorm.{current.instance_number('SyncBatchNorm')}"
 
     def _check_input_dim(self, input):
         if input.dim() < 2:
@@ -141,7 +137,7 @@ class SyncBatchNorm(_BatchNorm):
                              f"{input.shape[1]} channels")
 
     def _synchronizes(self) -> bool:
-        return (self.training and api._runtime is not None
+        return (self.training and current.get() is not None
                 and self.process_set.size() > 1)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:

@@ -43,9 +43,9 @@ def _train(out_dir):
         "rank": rank,
         "wrong": wrong[:5],
         "still_tuning": tuning,
-        "threshold": rt.fusion_threshold,
+        "threshold": rt.settings.fusion_threshold,
         "executor_thresholds": [s.executor.fusion_threshold for s in rt.process_sets.values()],
-        "cycle_seconds": rt.cycle_seconds,
+        "cycle_seconds": rt.settings.cycle_seconds,
         "control_plane": type(rt.process_sets[0].controller.control).__name__,
     }
     hvd.barrier()

@@ -93,8 +93,7 @@ def test_a_row_reads_negotiate_queue_then_the_op_and_its_phases(tmp_path):
 
 
 def test_coordinator_marks_when_each_rank_was_ready(tmp_path):
-    coordinator = Coordinator(3)
-    coordinator.record_arrivals = True
+    coordinator = Coordinator(3, record_arrivals=lambda: True)
     path = tmp_path / "t.json"
     tl = Timeline(str(path))
     time.sleep(0.01)  # the made-up times below lie between opening and now
@@ -168,9 +167,7 @@ def test_controller_reports_how_each_response_was_agreed(tmp_path):
     step = threading.Barrier(size, timeout=10)
 
     def body(rank):
-        ctl = Controller(FastControl(ex, rank), 16)
-        if ctl.coordinator is not None:
-            ctl.coordinator.record_arrivals = True
+        ctl = Controller(FastControl(ex, rank), 16, record_arrivals=lambda: True)
         state = SimpleNamespace(id=0, ranks=[0, 1], controller=ctl)
         tl = Timeline(str(paths[rank]), rank=rank)
         for c in range(cycles):

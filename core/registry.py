@@ -1,0 +1,332 @@
+"""The process-set registry of one runtime: tables, ids and the add/remove protocol.
+
+The runtime owns one :class:`ProcessSetRegistry`. It holds
+
+* ``ranks``: every registered set, member or not (``{id: global ranks}``);
+* ``states``: the :class:`~hvdlike.core.set_state.ProcessSetState` of each set
+  this rank belongs to;
+* the id counter, the serial number of add/remove calls, and the lock that
+  lets one add/remove run at a time in this process.
+
+Both tables are replaced, never mutated, so the background thread and
+submitting threads always read a consistent table without a lock.
+
+Registration is collective over *all* ranks, which must pass the same sets
+in the same order; that is checked, and a difference makes every rank raise
+(never hang). Static sets (``init(process_sets=[...])``) are registered
+before the background thread starts, over the global set's control plane.
+A dynamic change goes like this: members build the new set's groups, then
+every rank submits a barrier on the global set; its response comes back in
+the same negotiation cycle everywhere, and the background thread applies
+the change at the end of that cycle (:meth:`take_changes`), so every member
+starts (or stops) cycling the set in the same cycle -- the lock-step their
+control collectives need.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from .collectives import allgather_entry, barrier_entry
+from .errors import HvdlikeError, HvdlikeInternalError
+from .process_sets import ProcessSet
+from .set_state import ProcessSetState, SetParts
+
+
+def _check_ranks(pset: ProcessSet, size: int, what: str) -> None:
+    if not pset.ranks:
+        raise ValueError(f"{what}: a process set needs at least one rank")
+    bad = [r for r in pset.ranks if r >= size]
+    if bad:
+        raise ValueError(f"{what}: ranks {bad} of {pset!r} do not exist in a job of "
+                         f"{size} rank(s)")
+
+
+def _disagreement(what: str, values: List[Any]) -> Optional[str]:
+    if all(v == values[0] for v in values[1:]):
+        return None
+    lines = [f"{what} must be called with the same process sets, in the same order, on "
+             f"every rank; the ranks passed:"]
+    lines += [f"  rank {r}: {v}" for r, v in enumerate(values)]
+    return "\n".join(lines)
+
+
+class ProcessSetRegistry:
+    """The process sets of one runtime.
+
+    Args:
+        size: the job's number of ranks.
+        parts: what each set is built with (:class:`SetParts`).
+        submit: the runtime's ``submit(entries, set_id)`` (the protocol's own
+            collectives run on the global set).
+        wait: the runtime's ``wait(handle)``.
+        alive_error: the runtime's ``alive_error()``.
+    """
+
+    def __init__(self, size: int, parts: SetParts, submit: Callable, wait: Callable,
+                 alive_error: Callable[[], Optional[BaseException]]):
+        self.rank = parts.rank
+        self.size = size
+        self.parts = parts
+        self._submit = submit
+        self._wait = wait
+        self._alive_error = alive_error
+        self.ranks: Dict[int, List[int]] = {}
+        self.states: Dict[int, ProcessSetState] = {}
+        self._lock = threading.Lock()  # the counters
+        self._next_id = 1
+        self._change_count = 0
+        self.change_lock = threading.RLock()  # one add/remove at a time per process
+        self._changes: Dict[str, Callable[[], None]] = {}
+        self._changes_lock = threading.Lock()
+        self._running = False
+
+    # -- tables ----------------------------------------------------------------------
+
+    def state(self, set_id: int) -> ProcessSetState:
+        """The state of a set this rank belongs to.
+
+        Raises:
+            ValueError: the set is not registered, or this rank is not a member.
+        """
+        state = self.states.get(set_id)
+        if state is None:
+            ranks = self.ranks.get(set_id)
+            if ranks is None:
+                raise ValueError(f"process set {set_id} is not registered (never added, or "
+                                 f"removed)")
+            raise ValueError(
+                f"rank {self.rank} is not a member of process set {set_id} "
+                f"(ranks {ranks}); only its members may call collectives on it")
+        return state
+
+    def ranks_of(self, set_id: int) -> List[int]:
+        """The global ranks of a registered set.
+
+        Raises:
+            ValueError: the set is not registered (it was removed).
+        """
+        ranks = self.ranks.get(set_id)
+        if ranks is None:
+            raise ValueError(f"process set {set_id} is not registered (it was removed)")
+        return ranks
+
+    def members(self, set_id: int) -> List[int]:
+        """The global ranks of ``set_id``; every rank for a set no longer registered."""
+        return self.ranks.get(set_id) or list(range(self.size))
+
+    def waiting_since(self) -> Dict[tuple, float]:
+        """``{(process set id, name): submission time}`` of everything pending here."""
+        waiting: Dict[tuple, float] = {}
+        for set_id, state in list(self.states.items()):
+            for name, since in state.queue.waiting_since().items():
+                waiting[(set_id, name)] = since
+        return waiting
+
+    # -- building --------------------------------------------------------------------
+
+    def _build(self, set_id: int, ranks: Sequence[int]) -> Optional[ProcessSetState]:
+        """Create the groups of a set; None on non-member ranks.
+
+        Blocks until every member has called it (the groups rendezvous).
+        """
+        ranks = list(ranks)
+        if self.rank not in ranks:
+            return None
+        state = ProcessSetState(set_id, ranks, self.parts)
+        if self._running:
+            state.start()
+        return state
+
+    def _install(self, set_id: int, ranks: Sequence[int],
+                 state: Optional[ProcessSetState]) -> None:
+        """Make a built set live: before the thread starts, or on it between cycles."""
+        self.ranks = {**self.ranks, set_id: list(ranks)}
+        if state is not None:
+            self.states = {**self.states, set_id: state}
+
+    def _uninstall(self, set_id: int) -> None:
+        """Retire a set on the background thread: fail what is pending, free its groups."""
+        self.ranks = {k: v for k, v in self.ranks.items() if k != set_id}
+        state = self.states.get(set_id)
+        if state is None:
+            return
+        self.states = {k: v for k, v in self.states.items() if k != set_id}
+        reason = HvdlikeInternalError(
+            f"process set {set_id} was removed before this collective completed")
+        self.fail_pending(state, reason)
+        state.close(0)
+
+    def fail_pending(self, state: ProcessSetState, reason: BaseException) -> None:
+        """Let ``state``'s launched work finish, then fail everything still pending."""
+        state.executor.finisher.close(self.parts.cfg.gloo_timeout_seconds)
+        for entry in state.controller.pending_entries() + state.queue.drain():
+            self.parts.hooks.complete(entry, None, reason)
+
+    def start(self) -> None:
+        """Start the threads of every set built so far (and of later ones on build)."""
+        self._running = True
+        for state in self.states.values():
+            state.start()
+
+    def close(self) -> None:
+        """Free every set's groups and buffers (pending work must be failed first)."""
+        states, self.states = self.states, {}
+        self.ranks = {}
+        for state in states.values():
+            state.close(self.parts.cfg.gloo_timeout_seconds)
+        self._running = False
+
+    def _next_id_value(self) -> int:
+        with self._lock:
+            set_id = self._next_id
+            self._next_id += 1
+        return set_id
+
+    # -- registration ------------------------------------------------------------------
+
+    def register_global(self) -> None:
+        """Build and install the global set (id 0)."""
+        ranks = list(range(self.size))
+        self._install(0, ranks, self._build(0, ranks))
+
+    def register_static(self, psets: Sequence[ProcessSet]) -> None:
+        """Register ``init(process_sets=...)`` before the background thread starts.
+
+        Sets with the ranks of an earlier one (or of the whole job) share its id.
+
+        Raises:
+            TypeError: an element is not a :class:`ProcessSet`.
+            ValueError: ranks out of range, or the ranks passed differ across
+                ranks (raised on every rank).
+        """
+        for index, pset in enumerate(psets):
+            if not isinstance(pset, ProcessSet):
+                raise TypeError(f"init: process_sets[{index}] must be a ProcessSet, "
+                                f"got {type(pset).__name__}")
+            _check_ranks(pset, self.size, "init")
+        mine = [list(p.ranks) for p in psets]
+        control = self.states[0].controller.control
+        gathered = control.gather(pickle.dumps(mine))
+        verdict = None
+        if gathered is not None:
+            verdict = _disagreement("init()", [pickle.loads(g) for g in gathered])
+        verdict = pickle.loads(control.broadcast(pickle.dumps(verdict)))
+        if verdict:
+            raise ValueError(verdict)
+        by_ranks: Dict[tuple, int] = {tuple(range(self.size)): 0}
+        for pset in psets:
+            key = tuple(pset.ranks)
+            if key not in by_ranks:
+                by_ranks[key] = self._next_id_value()
+                self._install(by_ranks[key], pset.ranks, self._build(by_ranks[key], pset.ranks))
+            pset.process_set_id = by_ranks[key]
+
+    def _check_dynamic(self, what: str) -> None:
+        if not self.parts.cfg.dynamic_process_sets:
+            raise HvdlikeError(
+                f"{what} needs dynamic process sets: set HVDLIKE_DYNAMIC_PROCESS_SETS=1 (or "
+                f"HOROVOD_DYNAMIC_PROCESS_SETS=1) or call init(process_sets='dynamic')")
+
+    def _serial_name(self) -> str:
+        with self._lock:
+            self._change_count += 1
+            return f"hvdlike.process_set.{self._change_count}"
+
+    def _gather_everywhere(self, value: Any, name: str) -> List[Any]:
+        """Every rank's ``value`` through the global set (works while the runtime runs)."""
+        import torch
+
+        data = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8)
+        length = torch.tensor([data.numel()], dtype=torch.int64)
+        handles = self._submit([allgather_entry(length, f"{name}.size"),
+                                allgather_entry(data, f"{name}.data")], 0)
+        lengths, blob = [self._wait(h) for h in handles]
+        out, start = [], 0
+        for n in lengths.tolist():
+            out.append(pickle.loads(blob[start:start + n].numpy().tobytes()))
+            start += n
+        return out
+
+    def add(self, pset: ProcessSet) -> ProcessSet:
+        """:func:`hvdlike.add_process_set` on this runtime (see there)."""
+        self._check_dynamic("add_process_set")
+        if pset.process_set_id is not None:
+            raise ValueError(f"{pset!r} is already registered")
+        _check_ranks(pset, self.size, "add_process_set")
+        with self.change_lock:
+            name = self._serial_name()
+            verdict = _disagreement("add_process_set()",
+                                    self._gather_everywhere(("add", pset.ranks), name))
+            if verdict:
+                raise ValueError(verdict)
+            if pset.ranks in self.ranks.values():
+                raise ValueError(f"add_process_set: a process set with ranks {pset.ranks} is "
+                                 f"already registered")
+            set_id = self._next_id_value()
+            state = self._build(set_id, pset.ranks)
+            try:
+                self._change(f"{name}.add", lambda: self._install(set_id, pset.ranks, state))
+            except BaseException:
+                if state is not None and self.states.get(set_id) is not state:
+                    state.close(0)
+                raise
+        pset.process_set_id = set_id
+        return pset
+
+    def remove(self, pset: ProcessSet) -> bool:
+        """:func:`hvdlike.remove_process_set` on this runtime (see there)."""
+        self._check_dynamic("remove_process_set")
+        set_id = pset.process_set_id
+        with self.change_lock:
+            name = self._serial_name()
+            verdict = _disagreement("remove_process_set()",
+                                    self._gather_everywhere(("remove", set_id), name))
+            if verdict:
+                raise ValueError(verdict)
+            if set_id is None or set_id == 0 or set_id not in self.ranks:
+                return False
+            self._change(f"{name}.remove", lambda: self._uninstall(set_id))
+        pset.process_set_id = None
+        return True
+
+    def _change(self, name: str, change: Callable[[], None]) -> None:
+        """Run ``change`` on the background thread in the same cycle on every rank.
+
+        Submits a barrier named ``name`` on the global set; the cycle whose
+        responses include it ends by running ``change`` (:meth:`take_changes`).
+        """
+        applied = threading.Event()
+        errors: List[BaseException] = []
+
+        def apply() -> None:
+            try:
+                change()
+            except BaseException as exc:
+                errors.append(exc)
+            finally:
+                applied.set()
+
+        with self._changes_lock:
+            self._changes = {**self._changes, name: apply}
+        self._wait(self._submit([barrier_entry(name)], 0)[0])
+        while not applied.wait(0.05):
+            error = self._alive_error()
+            if error is not None:
+                raise HvdlikeInternalError(f"process set change {name!r} failed: {error}")
+        if errors:
+            raise errors[0]
+
+    def has_changes(self) -> bool:
+        return bool(self._changes)
+
+    def take_changes(self, work) -> List[Callable[[], None]]:
+        """The changes whose barriers are among this cycle's responses (background thread)."""
+        with self._changes_lock:
+            changes = dict(self._changes)
+            taken = [changes.pop(response.name) for response, _ in work
+                     if response.name in changes]
+            self._changes = changes
+        return taken

@@ -1,0 +1,64 @@
+"""Broadcast and gather arbitrary picklable Python objects (via cloudpickle).
+
+Framework-neutral: every front end (torch, numpy, jax, keras) exports these
+same two functions, and none of them needs another front end to do so.
+Names are derived from the call sequence only -- never from the object's value
+or type -- so every rank waits on the same names whatever it passes in.
+"""
+
+from __future__ import annotations
+
+import cloudpickle
+import torch
+
+from hvdlike.core import api, collectives as core
+from hvdlike.core.process_sets import global_process_set, resolve
+
+from .submit import submit, synchronize
+
+_FRONTEND = "hvdlike"
+
+
+def _to_tensor(obj) -> torch.Tensor:
+    return torch.frombuffer(bytearray(cloudpickle.dumps(obj)), dtype=torch.uint8)
+
+
+def _broadcast(tensor: torch.Tensor, root_rank: int, name: str, process_set) -> torch.Tensor:
+    # root_rank is a global rank, as in Horovod; the runtime maps it into the set.
+    entry = core.broadcast_entry(tensor, root_rank, api.size(), name)
+    return synchronize(submit([entry], process_set, _FRONTEND)[0])
+
+
+def _allgather(tensor: torch.Tensor, name: str, process_set) -> torch.Tensor:
+    entry = core.allgather_entry(tensor, name)
+    return synchronize(submit([entry], process_set, _FRONTEND)[0])
+
+
+def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):
+    """Return ``root_rank``'s ``obj`` on every rank (others may pass None).
+
+    Example:
+        >>> epoch = hvd.broadcast_object(epoch if hvd.rank() == 0 else None, root_rank=0)
+    """
+    name = name or api.runtime().auto_name("broadcast_object", resolve(process_set))
+    me = api.rank()  # root_rank is a global rank, as in Horovod
+    payload = _to_tensor(obj) if me == root_rank else None
+    length = torch.tensor([payload.numel() if payload is not None else 0], dtype=torch.int64)
+    length = _broadcast(length, root_rank, f"{name}.size", process_set)
+    data = payload if payload is not None else torch.empty(int(length.item()), dtype=torch.uint8)
+    data = _broadcast(data, root_rank, f"{name}.data", process_set)
+    return cloudpickle.loads(data.numpy().tobytes())
+
+
+def allgather_object(obj, name=None, process_set=global_process_set) -> list:
+    """Return the list of every rank's ``obj``, in rank order."""
+    name = name or api.runtime().auto_name("allgather_object", resolve(process_set))
+    payload = _to_tensor(obj)
+    sizes = _allgather(torch.tensor([payload.numel()], dtype=torch.int64), f"{name}.size",
+                       process_set)
+    data = _allgather(payload, f"{name}.data", process_set)
+    out, start = [], 0
+    for n in sizes.tolist():
+        out.append(cloudpickle.loads(data[start:start + n].numpy().tobytes()))
+        start += n
+    return out
