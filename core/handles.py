@@ -30,7 +30,7 @@ class Handle:
             its own, shared by all its handles (None: a lock of its own).
     """
 
-    __slots__ = ("name", "_lock", "_done", "_result", "_error", "_callbacks", "_waiter")
+    __slots__ = ("name", "_lock", "_done", "_result", "_error", "_waiter")
 
     def __init__(self, name: str, lock: Optional[threading.Lock] = None):
         self.name = name
@@ -38,7 +38,6 @@ class Handle:
         self._done = False
         self._result: Any = None
         self._error: Optional[BaseException] = None
-        self._callbacks = None  # list of callables once one is added
         self._waiter: Optional[threading.Event] = None  # made by the first wait()
 
     def __repr__(self) -> str:
@@ -54,30 +53,15 @@ class Handle:
     def set_error(self, error: BaseException) -> None:
         self._finish(None, error)
 
-    def add_done_callback(self, fn: Callable[["Handle"], None]) -> None:
-        """Call ``fn(handle)`` on completion (at once if already complete)."""
-        with self._lock:
-            if not self._done:
-                if self._callbacks is None:
-                    self._callbacks = [fn]
-                else:
-                    self._callbacks.append(fn)
-                return
-        fn(self)
-
     def _finish(self, result: Any, error: Optional[BaseException]) -> None:
         with self._lock:
             if self._done:
                 return
             self._result, self._error = result, error
             self._done = True
-            waiter, callbacks = self._waiter, self._callbacks
-            self._callbacks = None
+            waiter = self._waiter
         if waiter is not None:
             waiter.set()
-        if callbacks:
-            for fn in callbacks:
-                fn(self)
 
     def wait(self, alive: Callable[[], Optional[BaseException]] = lambda: None,
              timeout: Optional[float] = None) -> Any:
@@ -118,13 +102,12 @@ def finish_many(handles: Sequence[Handle], results: Sequence[Any],
     """Complete ``handles[i]`` with ``results[i]`` (or ``errors[i]``), under one lock.
 
     Equivalent to calling ``set_result``/``set_error`` on each in order; waiters
-    are woken and callbacks run after the lock is released. The handles must
+    are woken after the lock is released. The handles must
     share one lock (they come from one runtime).
     """
     if not handles:
         return
     wake = []
-    called = []
     with handles[0]._lock:  # one runtime's handles share one lock
         for i, (handle, result) in enumerate(zip(handles, results)):
             if handle._done:
@@ -136,11 +119,5 @@ def finish_many(handles: Sequence[Handle], results: Sequence[Any],
             handle._done = True
             if handle._waiter is not None:
                 wake.append(handle._waiter)
-            if handle._callbacks:
-                called.append((handle, handle._callbacks))
-                handle._callbacks = None
     for waiter in wake:
         waiter.set()
-    for handle, callbacks in called:
-        for fn in callbacks:
-            fn(handle)

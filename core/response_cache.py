@@ -77,10 +77,6 @@ class ResponseCache:
     def response(self, slot: int) -> Response:
         return self._slots[slot][0]
 
-    def name_of(self, slot: int) -> Optional[str]:
-        entry = self._slots[slot] if slot < len(self._slots) else None
-        return None if entry is None else entry[0].name
-
     def touch(self, slot: int) -> None:
         self._lru.move_to_end(self._slots[slot][0].name)
 

@@ -25,7 +25,7 @@ import threading
 import time
 from typing import Dict, List, Mapping, Optional, Sequence
 
-from . import autotune, bootstrap, config as config_mod
+from . import autotune, bootstrap, config as config_mod, generation_keys
 from .errors import HvdlikeInternalError
 from .executor import CompletionHooks
 from .handles import Handle, finish_many
@@ -78,7 +78,8 @@ class Runtime:
         self.shm = None  # shm_plane.Settings when ranks of this host may share memory
         self.job_store: Optional[JobStore] = None
         self.store_prefix = f"gen{generation}/"
-        self.store = None
+        self.store = None  # the generation's keys, written through a KeyLog
+        self._key_logs: List[generation_keys.KeyLog] = []
         self.local_addr = ""
         self.health: Optional[Health] = None
         self.settings = autotune.LiveSettings(cfg.fusion_threshold, cfg.cycle_time)
@@ -126,8 +127,6 @@ class Runtime:
         return runtime
 
     def _wire(self, environ: Mapping[str, str], process_sets: list) -> None:
-        import torch.distributed as dist
-
         from . import mpi_plane, shm_plane
         from .elastic.protocol import store_prefix
 
@@ -135,7 +134,7 @@ class Runtime:
         # elastic: the launcher's generation names the keys, else this runtime's.
         self.store_prefix = store_prefix(environ, self.generation)
         self.job_store = JobStore(topology, rendezvous, cfg.start_timeout)
-        self.store = dist.PrefixStore(self.store_prefix, self.job_store.connect())
+        self.store = self._logged_store()
         local_addr = rendezvous.gloo_iface
         if not local_addr:
             local_addr = (bootstrap.local_address_towards(rendezvous.addr, rendezvous.port)
@@ -176,9 +175,7 @@ class Runtime:
             raise HvdlikeInternalError("this runtime was started already")
         cfg, topology = self.config, self.topology
         if topology.size > 1:
-            import torch.distributed as dist
-
-            health_store = dist.PrefixStore(self.store_prefix, self.job_store.connect())
+            health_store = self._logged_store()
             self.health = Health(health_store, topology.rank, topology.size,
                                  topology.hostname, cfg, self.sets.waiting_since,
                                  self._set_fatal, self.sets.members)
@@ -191,6 +188,20 @@ class Runtime:
                                         daemon=True)
         self._thread.start()
         return self
+
+    def _logged_store(self) -> generation_keys.KeyLog:
+        """A new connection to this generation's keys, remembering those written."""
+        log = generation_keys.KeyLog(self.job_store.connect(), self.store_prefix)
+        self._key_logs.append(log)
+        return log
+
+    def _forget_keys(self) -> None:
+        """A clean end: the last rank to get here deletes the generation's keys."""
+        try:
+            generation_keys.forget(self.job_store.connect(), self.store_prefix,
+                                   self._key_logs, self.topology.rank, self.topology.size)
+        except Exception as exc:  # the store went away with the job: nothing to keep tidy
+            logger.debug("generation keys left in the store: %s", exc)
 
     @property
     def process_sets(self) -> Dict[int, ProcessSetState]:
@@ -250,6 +261,9 @@ class Runtime:
 
             mpi_plane.free(self.mpi_world)
             self.mpi_world = None
+        if self._thread is not None and self.fatal is None and self.job_store is not None:
+            self._forget_keys()
+        self._key_logs = []
         self.store = None
         if self.job_store is not None:
             self.job_store.close()  # a store this rank hosted (mpirun, srun)

@@ -52,10 +52,32 @@ class FastControl(FakeControl):
 
 
 def run_in_threads(size, body, timeout=30):
-    """Run ``body(rank)`` on ``size`` threads; fail if any is still running after ``timeout``."""
-    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(size)]
+    """Run ``body(rank)`` on ``size`` threads.
+
+    Fails if any thread is still running after ``timeout``; re-raises the first
+    exception a thread raised (other threads' exceptions are named in its notes),
+    so an assertion inside ``body`` fails the test instead of vanishing with its
+    thread.
+    """
+    errors = {}
+
+    def run(rank):
+        try:
+            body(rank)
+        except BaseException as exc:  # handed to the test's thread below
+            errors[rank] = exc
+
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(size)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout)
+    if errors:
+        rank = min(errors)
+        first = errors[rank]
+        others = sorted(r for r in errors if r != rank)
+        if others and hasattr(first, "add_note"):
+            first.add_note(f"rank threads {others} raised too: "
+                           + "; ".join(f"{r}: {errors[r]!r}" for r in others))
+        raise AssertionError(f"rank thread {rank} raised {first!r}") from first
     assert not any(t.is_alive() for t in threads), "a rank thread did not finish"

@@ -2,6 +2,8 @@
 
 import random
 
+import pytest
+
 from hvdlike.core.controller import Controller
 from hvdlike.core.handles import Handle
 from hvdlike.core.messages import OpType, Request
@@ -71,3 +73,12 @@ def test_lru_eviction_renegotiates_waiting_entry():
     orders, _ = _run(2, batches, capacity=2, cycles=8)
     assert orders[0] == orders[1]
     assert sorted(orders[0]) == sorted(["x", "y", "z"] * 3)
+
+
+def test_the_thread_runner_fails_when_a_rank_thread_raises():
+    def body(rank):
+        if rank == 1:
+            raise ValueError("rank one broke")
+
+    with pytest.raises(AssertionError, match="rank thread 1 raised ValueError"):
+        run_in_threads(2, body)

@@ -18,7 +18,11 @@ INTEGRATIONS = os.path.join(ROOT, "integrations")
 
 
 def _imports(path: str, package: str) -> Set[str]:
-    """Every hvdlike module ``path`` imports, anywhere in it (absolute dotted names)."""
+    """Every hvdlike module ``path`` imports, anywhere in it.
+
+    Absolute dotted names; ``from m import a`` gives ``"m:a"`` (``a`` may be a
+    submodule of ``m`` or a name defined in it).
+    """
     with open(path, encoding="utf-8") as f:
         tree = ast.parse(f.read(), path)
     found: Set[str] = set()
@@ -34,23 +38,49 @@ def _imports(path: str, package: str) -> Set[str]:
                 module = node.module or ""
             if not module.startswith("hvdlike"):
                 continue
-            found.add(module)
-            # "from . import x" / "from hvdlike.core import x": x may be a module.
-            found.update(f"{module}.{a.name}" for a in node.names)
+            # "from . import x" / "from hvdlike.core import x": x may be a module
+            # (then the package itself is only the parent of what is imported).
+            found.update(f"{module}:{a.name}" for a in node.names)
     return found
 
 
+def _core_modules() -> Dict[str, str]:
+    """``{dotted name under hvdlike.core: file}`` for every module of core/, subpackages too."""
+    modules = {}
+    for folder, _, files in os.walk(CORE):
+        rel = os.path.relpath(folder, CORE)
+        package = [] if rel == "." else rel.split(os.sep)
+        for name in files:
+            if not name.endswith(".py"):
+                continue
+            parts = package + ([] if name == "__init__.py" else [name[:-3]])
+            if parts:
+                modules[".".join(parts)] = os.path.join(folder, name)
+    return modules
+
+
 def _core_graph() -> Dict[str, Set[str]]:
-    modules = {name[:-3] for name in os.listdir(CORE)
-               if name.endswith(".py") and name != "__init__.py"}
+    modules = _core_modules()
     graph = {}
-    for module in modules:
+    for module, path in modules.items():
+        is_package = path.endswith("__init__.py")
+        package = "hvdlike.core." + (module if is_package else module.rpartition(".")[0])
+        package = package.rstrip(".")
         edges = set()
-        for target in _imports(os.path.join(CORE, module + ".py"), "hvdlike.core"):
-            parts = target.split(".")
-            if parts[:2] == ["hvdlike", "core"] and len(parts) > 2 and parts[2] in modules:
-                if parts[2] != module:
-                    edges.add(parts[2])
+        for target in _imports(path, package):
+            target, _, attr = target.partition(":")
+            if target == "hvdlike.core":
+                base = ""
+            elif target.startswith("hvdlike.core."):
+                base = target[len("hvdlike.core."):]
+            else:
+                continue
+            candidate = f"{base}.{attr}" if base else attr
+            name = candidate if attr and candidate in modules else base
+            while name and name not in modules:  # "import hvdlike.core.x.y": x.y, else x
+                name = name.rpartition(".")[0]
+            if name and name != module:
+                edges.add(name)
         graph[module] = edges
     return graph
 
@@ -98,7 +128,8 @@ def test_the_cycle_finder_finds_a_cycle():
 def test_function_local_imports_are_seen(tmp_path):
     path = tmp_path / "m.py"
     path.write_text("def f():\n    from . import api\n    from .runtime import Runtime\n")
-    assert {"hvdlike.core.api", "hvdlike.core.runtime"} <= _imports(str(path), "hvdlike.core")
+    assert {"hvdlike.core:api", "hvdlike.core.runtime:Runtime"} <= _imports(str(path),
+                                                                            "hvdlike.core")
 
 
 def test_core_has_no_import_cycles():
@@ -122,6 +153,7 @@ def test_non_torch_front_ends_never_import_the_torch_front_end_in_source():
             if not name.endswith(".py"):
                 continue
             for target in _imports(os.path.join(folder, name), package):
+                target = target.replace(":", ".")
                 if target == "hvdlike.torch" or target.startswith("hvdlike.torch."):
                     offenders.append(f"integrations/{frontend}/{name} imports {target}")
     assert not offenders, offenders

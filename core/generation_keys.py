@@ -1,0 +1,130 @@
+"""The store keys of one runtime generation, and their removal when it ends.
+
+Every part of a runtime writes under the generation's prefix (``gen<N>/``):
+Gloo's and NCCL's rendezvous records, the shared-memory exchange, the health
+watcher's heartbeats and reports. The store outlives the runtime (the
+launcher hosts it for the whole job), so a process that re-forms or calls
+``init()``/``shutdown()`` many times would pile keys up without end.
+
+:class:`KeyLog` is the store every part of a runtime writes through; it
+remembers each key written. At a clean close, :func:`forget` runs a last
+exchange: every other rank publishes the keys it wrote, and rank 0, once it
+holds every list (every rank has stopped using the generation), deletes them
+all, the lists included. After a failure the generation's keys stay behind
+(the job is ending anyway); a new generation never reads an old one's keys.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from datetime import timedelta
+from typing import List, Optional
+
+import torch.distributed as dist
+
+_KEYS = "closed/keys/"
+
+
+class KeyLog(dist.Store):
+    """The keys under ``prefix`` of the Python store ``inner``, remembering those written.
+
+    Keys are prefixed here, in Python, and recorded exactly as ``inner`` gets
+    them, so :func:`forget` can delete them through ``inner`` (a C++
+    ``PrefixStore`` cannot pass ``delete_key`` on to a store written in Python).
+    Keep a Python reference to it while anything built on it lives: a
+    ``PrefixStore`` or process group holds only its C++ half.
+    """
+
+    def __init__(self, inner, prefix: str):
+        super().__init__()
+        self._inner = inner
+        self._prefix = prefix
+        self._keys = set()
+        self._lock = threading.Lock()
+
+    def written(self) -> List[str]:
+        with self._lock:
+            return sorted(self._keys)
+
+    def _note(self, key: str) -> str:
+        full = self._prefix + key
+        with self._lock:
+            self._keys.add(full)
+        return full
+
+    def set(self, key: str, value) -> None:
+        self._inner.set(self._note(key), value)
+
+    def get(self, key: str) -> bytes:
+        return self._inner.get(self._prefix + key)
+
+    def add(self, key: str, amount: int) -> int:
+        return self._inner.add(self._note(key), amount)
+
+    def compare_set(self, key: str, expected, desired) -> bytes:
+        return self._inner.compare_set(self._note(key), expected, desired)
+
+    def check(self, keys: List[str]) -> bool:
+        return self._inner.check([self._prefix + k for k in keys])
+
+    def wait(self, keys: List[str], timeout: Optional[timedelta] = None) -> None:
+        full = [self._prefix + k for k in keys]
+        if timeout is None:
+            self._inner.wait(full)
+        else:
+            self._inner.wait(full, timeout)
+
+    def delete_key(self, key: str) -> bool:
+        full = self._prefix + key
+        with self._lock:
+            self._keys.discard(full)
+        return self._inner.delete_key(full)
+
+    def num_keys(self) -> int:
+        return self._inner.num_keys()
+
+    def has_extended_api(self) -> bool:
+        return False
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self._inner.set_timeout(timeout)
+
+    @property
+    def timeout(self) -> timedelta:
+        return self._inner.timeout
+
+
+def forget(store, prefix: str, logs: List[KeyLog], rank: int, size: int,
+           timeout: float = 10.0) -> bool:
+    """Publish this rank's keys of the generation; rank 0 then deletes every rank's.
+
+    Call once per rank, after the rank stopped touching the generation (its
+    groups are closed and its health watcher has stopped). Rank 0 waits (up to
+    ``timeout`` seconds) for every rank's list -- they all stop in the same
+    negotiation cycle, so this is the time their teardown takes -- and only
+    rank 0 deletes, so no rank reads a key another has deleted.
+
+    Args:
+        store: the Python store the logs wrote to (keys as the logs recorded them).
+        prefix: the generation's prefix (the lists are published under it too).
+        logs: the logs this rank's parts wrote through.
+        rank, size: this rank and the number of ranks in the generation.
+        timeout: how long rank 0 waits for the other ranks' lists.
+
+    Returns:
+        True on the rank that deleted the keys.
+    """
+    keys = sorted({key for log in logs for key in log.written()})
+    if rank != 0:
+        store.set(f"{prefix}{_KEYS}{rank}", json.dumps(keys))
+        return False
+    names = [f"{prefix}{_KEYS}{r}" for r in range(1, size)]
+    if names:
+        store.wait(names, timedelta(seconds=timeout))
+    for name in names:
+        keys.extend(json.loads(store.get(name)))
+        keys.append(name)
+    for key in sorted(set(keys)):
+        store.delete_key(key)
+    return True
