@@ -13,6 +13,7 @@ from typing import Any, Callable, List, Sequence
 
 import torch
 
+from .errors import UnsupportedOpError
 from .messages import OpType, ReduceOp, Request, new_request
 from .tensor_queue import Entry
 
@@ -58,7 +59,7 @@ def check_op(op: Any, what: str, allowed: Sequence[ReduceOp] = tuple(ReduceOp)) 
     except ValueError:
         raise ValueError(f"{what}: unknown reduction op {op!r}") from None
     if reduce_op not in allowed:
-        raise ValueError(f"{what} does not support op {reduce_op.name.title()}; "
+        raise UnsupportedOpError(f"{what} does not support op {reduce_op.name.title()}; "
                          f"use one of {', '.join(o.name.title() for o in allowed)}")
     return reduce_op
 

@@ -96,6 +96,12 @@ def _string(text: str) -> str:
     return text
 
 
+def _timeline_path(text: str) -> str:
+    from .timeline import configured_path
+
+    return configured_path(text)
+
+
 @dataclasses.dataclass(frozen=True)
 class Knob:
     """One tuning knob.
@@ -143,8 +149,9 @@ KNOBS = (
     Knob("log_level", "warning", _log_level,
          "runtime log level: trace, debug, info, warning, error, fatal",
          flag="--log-level"),
-    Knob("timeline", "", _string,
-         "write a Chrome-trace timeline of every collective to this file",
+    Knob("timeline", "", _timeline_path,
+         "write a Chrome-trace timeline of every collective to this file (DYNAMIC: none "
+         "until start_timeline())",
          flag="--timeline-filename", env_name="TIMELINE"),
     Knob("timeline_mark_cycles", False, _parse_bool,
          "mark background cycles in the timeline",

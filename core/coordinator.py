@@ -25,6 +25,11 @@ def _same(requests: Sequence[Request], key) -> bool:
     return all(key(r) == first for r in requests[1:])
 
 
+# Collectives that fail while some ranks have joined (Horovod refuses them too).
+NOT_WITH_JOIN = frozenset({OpType.ALLGATHER, OpType.BROADCAST, OpType.ALLTOALL,
+                           OpType.REDUCESCATTER})
+
+
 def build_response(requests: Sequence[Request], size: int, joined: Iterable[int] = ()) -> Response:
     """Validate the requests all ranks made for one name and build its response.
 
@@ -47,6 +52,11 @@ def build_response(requests: Sequence[Request], size: int, joined: Iterable[int]
 
     if not _same(requests, lambda r: r.op):
         return error("the operation")
+    if joined and first.op in NOT_WITH_JOIN:
+        # As in Horovod: only allreduce has a neutral value a joined rank can stand in with.
+        return Response(error=f"{first.op.name.lower()} {name!r} cannot run while rank(s) "
+                              f"{', '.join(map(str, joined))} have called join(); only "
+                              "allreduce (and barrier) can", **base)
     if not _same(requests, lambda r: r.dtype):
         return error("the dtype")
     if not _same(requests, lambda r: r.device.split(":")[0]):
@@ -124,13 +134,19 @@ class Coordinator:
         """Responses for every name all (non-joined) ranks have submitted."""
         out: List[Response] = []
         active = [r for r in range(self.size) if r not in self.joined]
-        complete = [n for n, row in self._table.items() if all(r in row for r in active)]
+        # While some rank has joined, a collective it cannot stand in for fails at
+        # once for whoever submitted it: the others may never submit the same name.
+        refuse = bool(self.joined)
+        complete = [n for n, row in self._table.items() if all(r in row for r in active)
+                    or (refuse and next(iter(row.values())).op in NOT_WITH_JOIN)]
         # The join completes last, after every tensor the joined ranks stood in for.
         complete.sort(key=lambda n: next(iter(self._table[n].values())).op == OpType.JOIN)
         for name in complete:
             row = self._table.pop(name)
             self._first_seen.pop(name, None)
             joined = [r for r in self.joined if r not in row]
+            if refuse and next(iter(row.values())).op in NOT_WITH_JOIN:
+                joined = sorted(self.joined)
             resp = build_response(list(row.values()), self.size, joined)
             if resp.op == OpType.JOIN:
                 # Every rank has joined: report the last one and start afresh.

@@ -30,6 +30,11 @@ class MismatchError(HvdlikeError, ValueError):
     """Ranks submitted the same tensor name with incompatible requests."""
 
 
+class UnsupportedOpError(HvdlikeError, ValueError):
+    """A collective was asked for a reduction op it cannot perform (reducescatter
+    with Adasum, say). A ``RuntimeError`` as in Horovod, and a ``ValueError``."""
+
+
 class DuplicateNameError(HvdlikeError, ValueError):
     """A tensor name was submitted again while the first submission is still in flight."""
 

@@ -29,7 +29,8 @@ name gets a row; on it, one after the other:
 With ``mark_cycles`` every background cycle adds a ``CYCLE_START`` instant.
 
 Recording is off unless ``HVDLIKE_TIMELINE=path`` (``HOROVOD_TIMELINE``) is set
-or :func:`start` is called; when off, each runtime hook costs one attribute
+or :func:`start` is called. The setting ``DYNAMIC`` means what it means to
+Horovod: no file at ``init()``, only what ``start_timeline()`` asks for; when off, each runtime hook costs one attribute
 check. As in Horovod, rank 0 writes the file; a path containing ``{rank}``
 is formatted per rank and every rank writes its own. Events are queued and
 written by a thread of their own, so recording never blocks a collective.
@@ -50,6 +51,14 @@ from typing import Dict, Optional
 DEFAULT_MAX_BYTES = 1 << 30
 MIN_MAX_BYTES = 4096  # room for the header, a few events and the truncation mark
 _RESERVE = 256  # kept free for the truncation mark and the closing bracket
+
+
+DYNAMIC = "DYNAMIC"
+
+
+def configured_path(text: str) -> str:
+    """The file ``init()`` records to for a timeline setting; "" for none (``DYNAMIC``)."""
+    return "" if text.strip() == DYNAMIC else text
 
 
 def check_max_bytes(max_bytes, what: str = "max_bytes") -> int:

@@ -4,7 +4,8 @@ Local ranks inherit the launcher's environment. Remote ranks get it forwarded
 (PATH, PYTHONPATH, the virtualenv, ``HVDLIKE_*``, the user's own variables),
 minus the variables that describe the launcher's own host or login session.
 Either way the job's variables from :mod:`hvdlike.core.bootstrap` are added on
-top. The environment travels over the helper's stdin, never on a command line.
+top, each also under the ``HOROVOD_*`` name ``horovodrun`` gives it
+(``HOROVOD_RANK``, ``HOROVOD_SIZE``, ``HOROVOD_LOCAL_RANK``, ... ``HOROVOD_HOSTNAME``). The environment travels over the helper's stdin, never on a command line.
 """
 
 from __future__ import annotations
@@ -38,11 +39,23 @@ _HOST_SPECIFIC = re.compile(
     r"|LOCAL_WORLD_SIZE|GROUP_RANK)$"
 )
 
+# What horovodrun exports to every rank, under the names scripts written for
+# Horovod read before init(); each mirrors the hvdlike variable it maps from.
+HOROVOD_MIRRORS = {
+    ENV_RANK: "HOROVOD_RANK",
+    ENV_SIZE: "HOROVOD_SIZE",
+    ENV_LOCAL_RANK: "HOROVOD_LOCAL_RANK",
+    ENV_LOCAL_SIZE: "HOROVOD_LOCAL_SIZE",
+    ENV_CROSS_RANK: "HOROVOD_CROSS_RANK",
+    ENV_CROSS_SIZE: "HOROVOD_CROSS_SIZE",
+    ENV_HOSTNAME: "HOROVOD_HOSTNAME",
+}
+
 # The per-rank variables a nested launcher must not leak into its own ranks.
 JOB_VARIABLES = (
     ENV_RANK, ENV_SIZE, ENV_LOCAL_RANK, ENV_LOCAL_SIZE, ENV_CROSS_RANK, ENV_CROSS_SIZE,
     ENV_HOSTNAME, ENV_STORE_ADDR, ENV_STORE_PORT, ENV_JOB_SECRET, ENV_GLOO_IFACE,
-    ENV_LAUNCHER,
+    ENV_LAUNCHER, *HOROVOD_MIRRORS.values(),
 )
 
 
@@ -94,6 +107,7 @@ def rank_environment(
         ENV_JOB_SECRET: secret,
         ENV_LAUNCHER: "hvdlike-run",
     })
+    env.update({mirror: env[name] for name, mirror in HOROVOD_MIRRORS.items()})
     if gloo_iface:
         env[ENV_GLOO_IFACE] = gloo_iface
     return env

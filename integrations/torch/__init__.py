@@ -27,13 +27,14 @@ from hvdlike.frontend.objects import allgather_object, broadcast_object
 from .ops import (
     Adasum, Average, Max, Min, Product, Sum, allgather_async, allreduce_, allreduce_async,
     allreduce_async_, alltoall_async, barrier, broadcast_, broadcast_async, broadcast_async_,
-    grouped_allgather, grouped_allgather_async, grouped_allreduce_,
-    grouped_allreduce_async, grouped_allreduce_async_, grouped_reducescatter,
+    grouped_allgather_async, grouped_allreduce_,
+    grouped_allreduce_async, grouped_allreduce_async_,
     grouped_reducescatter_async, join, poll, reducescatter_async, synchronize,
 )
 # The synchronous forms are differentiable when their input requires grad.
 from .autograd import (
-    allgather, allreduce, alltoall, broadcast, grouped_allreduce, reducescatter,
+    allgather, allreduce, alltoall, broadcast, grouped_allgather, grouped_allreduce,
+    grouped_reducescatter, reducescatter,
 )
 from .functions import broadcast_optimizer_state, broadcast_parameters
 from .optimizer import DistributedOptimizer

@@ -2,25 +2,27 @@
 
 When the input requires grad (and grad mode is on), the synchronous forms
 exported by ``hvdlike.torch`` run through the :class:`torch.autograd.Function`
-classes here. Their backward passes give the gradient of the **sum of every
-rank's loss**, exactly what autograd would compute if all ranks' graphs were
-one graph. That is the convention that composes with ``DistributedOptimizer``
-(which averages parameter gradients, turning the sum into the mean), and the
-one ``torch.nn.SyncBatchNorm`` uses.
+classes here. The backward rules are Horovod's, so a model ported from
+``horovod.torch`` receives the same gradients:
 
-========================  =====================================================
-forward                   backward (``g`` = grad of the output on each rank)
-========================  =====================================================
-allreduce Sum / Average   allreduce of ``g`` with the same op and scale factors
-grouped_allreduce         grouped allreduce of the gradients (Sum / Average)
-allreduce Min / Max       ``sum(g)`` to the ranks holding the extreme value,
-                          shared equally between ties
-allgather                 this rank's rows of ``sum(g)``
-broadcast                 ``sum(g)`` on the root, zeros elsewhere
-alltoall                  alltoall of ``g`` with the received splits
-reducescatter             allgather of ``g`` (divided by size for Average)
-========================  =====================================================
+==========================  ===================================================
+forward                     backward (``g`` = grad of the output on each rank)
+==========================  ===================================================
+allreduce Sum / Average     allreduce of ``g`` with the same op and scale factors
+grouped_allreduce           grouped allreduce of the gradients (Sum / Average)
+allreduce Min / Max         ``sum(g)`` to the ranks holding the extreme value,
+                            shared equally between ties (Horovod cannot
+                            differentiate these; a superset)
+allgather                   this rank's rows of ``mean(g)`` over the set
+grouped_allgather           the same, tensor by tensor
+broadcast                   ``mean(g)`` over the set on the root, zeros elsewhere
+alltoall                    alltoall of ``g`` with the received splits
+reducescatter Average       allgather of ``g``
+reducescatter Sum           allgather of ``g * set size``
+grouped_reducescatter       the same, tensor by tensor
+==========================  ===================================================
 
+Both reducescatter rules also multiply by the pre- and postscale factors.
 Backward collectives are named ``<forward name>.grad`` when the forward had a
 name; unnamed ones are numbered in call order, which agrees across ranks as
 long as every rank runs the same backward.
@@ -32,6 +34,7 @@ from typing import Optional
 
 import torch
 
+from hvdlike.core import api
 from hvdlike.core.process_sets import global_process_set
 
 from . import ops
@@ -106,15 +109,32 @@ class _Allgather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         name, process_set, shape = ctx.args
-        gname = _grad_name(name)
-        rows = shape[0] if shape else 1
-        total = ops.allreduce(grad.contiguous(), name=gname, op=ops.Sum, process_set=process_set)
-        counts = ops.allgather(torch.tensor([rows], dtype=torch.int64),
-                               name=None if gname is None else f"{gname}.rows",
-                               process_set=process_set)
-        me = process_set.rank()
-        start = int(counts[:me].sum().item())
-        return total[start:start + rows].reshape(shape), None, None
+        return _own_rows([grad], [shape], _grad_name(name), process_set)[0], None, None
+
+
+def _own_rows(grads, shapes, gname, process_set):
+    """Average ``grads`` over the set and cut out this rank's rows of each."""
+    means = ops.grouped_allreduce([g.contiguous() for g in grads], name=gname, op=ops.Average,
+                                  process_set=process_set)
+    rows = torch.tensor([s[0] if s else 1 for s in shapes], dtype=torch.int64).reshape(1, -1)
+    counts = ops.allgather(rows, name=None if gname is None else f"{gname}.rows",
+                           process_set=process_set)
+    starts = counts[:process_set.rank()].sum(dim=0)
+    return [m[int(st):int(st) + (s[0] if s else 1)].reshape(s)
+            for m, st, s in zip(means, starts.tolist(), shapes)]
+
+
+class _GroupedAllgather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, process_set, *tensors):
+        ctx.args = (name, process_set, [tuple(t.shape) for t in tensors])
+        return tuple(ops.grouped_allgather([t.detach() for t in tensors], name=name,
+                                           process_set=process_set))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        name, process_set, shapes = ctx.args
+        return (None, None) + tuple(_own_rows(grads, shapes, _grad_name(name), process_set))
 
 
 class _Broadcast(torch.autograd.Function):
@@ -126,11 +146,12 @@ class _Broadcast(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         root_rank, name, process_set = ctx.args
-        total = ops.allreduce(grad.contiguous(), name=_grad_name(name), op=ops.Sum,
-                              process_set=process_set)
-        if process_set.rank() != root_rank:
-            total = torch.zeros_like(total)
-        return total, None, None, None
+        mean = ops.allreduce(grad.contiguous(), name=_grad_name(name), op=ops.Average,
+                             process_set=process_set)
+        # root_rank is a global rank, also inside a process set.
+        if api.rank() != root_rank:
+            mean = torch.zeros_like(mean)
+        return mean, None, None, None
 
 
 class _Alltoall(torch.autograd.Function):
@@ -150,6 +171,13 @@ class _Alltoall(torch.autograd.Function):
         return g, None, None, None
 
 
+def _scatter_grad_factor(op, process_set, prescale, postscale) -> float:
+    factor = float(prescale) * float(postscale)
+    if ops.ReduceOp(op) == ops.Sum:
+        factor *= process_set.size()
+    return factor
+
+
 class _Reducescatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name, op, process_set, prescale, postscale, compression):
@@ -161,13 +189,27 @@ class _Reducescatter(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         name, op, process_set, prescale, postscale = ctx.args
-        g = ops.allgather(grad.contiguous(), name=_grad_name(name), process_set=process_set)
-        factor = prescale * postscale
-        if ops.ReduceOp(op) == ops.Average:
-            factor /= process_set.size()
-        if factor != 1.0:
-            g = g * factor
+        factor = _scatter_grad_factor(op, process_set, prescale, postscale)
+        g = grad.contiguous() if factor == 1.0 else grad * factor
+        g = ops.allgather(g, name=_grad_name(name), process_set=process_set)
         return g, None, None, None, None, None, None
+
+
+class _GroupedReducescatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, op, process_set, prescale, postscale, compression, *tensors):
+        ctx.args = (name, op, process_set, prescale, postscale)
+        return tuple(ops.grouped_reducescatter(
+            [t.detach() for t in tensors], name=name, compression=compression, op=op,
+            process_set=process_set, prescale_factor=prescale, postscale_factor=postscale))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        name, op, process_set, prescale, postscale = ctx.args
+        factor = _scatter_grad_factor(op, process_set, prescale, postscale)
+        scaled = [g.contiguous() if factor == 1.0 else g * factor for g in grads]
+        outs = ops.grouped_allgather(scaled, name=_grad_name(name), process_set=process_set)
+        return (None,) * 6 + tuple(outs)
 
 
 # -- the synchronous forms hvdlike.torch exports -------------------------------------
@@ -245,3 +287,21 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=ops.Averag
                                  postscale_factor)
     return _Reducescatter.apply(tensor, name, op, process_set, prescale_factor,
                                 postscale_factor, compression)
+
+
+def grouped_allgather(tensors, name=None, process_set=global_process_set):
+    """Allgather a list of tensors as one unit; differentiable."""
+    if not (isinstance(tensors, (list, tuple)) and any(_wants_grad(t) for t in tensors)):
+        return ops.grouped_allgather(tensors, name, process_set)
+    return list(_GroupedAllgather.apply(name, process_set, *tensors))
+
+
+def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=ops.Average,
+                          process_set=global_process_set, prescale_factor=1.0,
+                          postscale_factor=1.0):
+    """Reducescatter a list of tensors as one unit; differentiable."""
+    if not (isinstance(tensors, (list, tuple)) and any(_wants_grad(t) for t in tensors)):
+        return ops.grouped_reducescatter(tensors, name, compression, op, process_set,
+                                         prescale_factor, postscale_factor)
+    return list(_GroupedReducescatter.apply(name, op, process_set, prescale_factor,
+                                            postscale_factor, compression, *tensors))

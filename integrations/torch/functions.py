@@ -102,20 +102,53 @@ def _fill(value: Any, tensors: List[torch.Tensor]) -> Any:
     return value
 
 
-def broadcast_optimizer_state(optimizer, root_rank: int = 0,
+def _initialize_state(optimizer, sparse_params) -> None:
+    """Give a fresh optimizer its state, as Horovod does before broadcasting it.
+
+    Every trainable parameter gets a zero gradient (sparse for SparseAdam and
+    for the ``model``'s sparse embeddings) and the wrapped optimizer takes one
+    step -- never the distributed step, which would reduce.
+    """
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+                if isinstance(optimizer, torch.optim.SparseAdam) or id(p) in sparse_params:
+                    p.grad = p.grad.to_sparse()
+    from .optimizer import _Distributed
+
+    if isinstance(optimizer, _Distributed):
+        super(_Distributed, optimizer).step()
+    else:
+        optimizer.step()
+
+
+def _sparse_parameters(model) -> set:
+    if model is None:
+        return set()
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError("broadcast_optimizer_state: model must be a torch.nn.Module (used to "
+                        f"find sparse embeddings), got {type(model).__name__}")
+    return {id(p) for m in model.modules()
+            if isinstance(m, torch.nn.Embedding) and m.sparse for p in m.parameters()}
+
+
+def broadcast_optimizer_state(optimizer, root_rank: int = 0, model=None,
                               process_set=global_process_set) -> None:
     """Give every rank ``root_rank``'s optimizer state and hyper-parameters.
 
     The root sends its ``state_dict()`` -- structure and Python scalars as one
     object, tensors (momentum buffers, Adam moments, steps) over the data
-    plane -- and the others ``load_state_dict`` it. Works when the other
-    ranks have no state yet (before their first step); the root's state is
-    only read.
+    plane -- and the others ``load_state_dict`` it. An optimizer without
+    state yet (before its first step) is first given one, as in Horovod:
+    zero gradients for its trainable parameters and one local step.
 
     Args:
         optimizer: a ``torch.optim.Optimizer`` (distributed or not) whose
             parameter groups have the same sizes on every rank.
         root_rank: the rank whose state wins.
+        model: optional; its sparse ``Embedding`` parameters get sparse zero
+            gradients when the state is initialized.
         process_set: broadcast within this process set only.
 
     Raises:
@@ -128,6 +161,9 @@ def broadcast_optimizer_state(optimizer, root_rank: int = 0,
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError("broadcast_optimizer_state expects a torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}")
+    sparse_params = _sparse_parameters(model)
+    if not optimizer.state_dict()["state"]:
+        _initialize_state(optimizer, sparse_params)
     me = ops.api.rank()  # root_rank is a global rank, as in Horovod
     tensors: List[torch.Tensor] = []
     skeleton = _strip(optimizer.state_dict(), tensors) if me == root_rank else None

@@ -20,9 +20,12 @@ from hvdlike.core.process_sets import (  # noqa: F401
 from .ops import (  # noqa: F401
     Adasum, Average, Max, Min, Product, Sum, allgather_async, allreduce_, allreduce_async,
     allreduce_async_, alltoall_async, barrier, broadcast_, broadcast_async, broadcast_async_,
-    grouped_allgather, grouped_allgather_async, grouped_allreduce, grouped_allreduce_,
-    grouped_allreduce_async, grouped_allreduce_async_, grouped_reducescatter,
+    grouped_allgather_async, grouped_allreduce_,
+    grouped_allreduce_async, grouped_allreduce_async_,
     grouped_reducescatter_async, join, poll, reducescatter_async, synchronize,
 )
-from .autograd import allgather, allreduce, alltoall, broadcast, reducescatter  # noqa: F401
+from .autograd import (  # noqa: F401
+    allgather, allreduce, alltoall, broadcast, grouped_allgather, grouped_allreduce,
+    grouped_reducescatter, reducescatter,
+)
 from .sparse import sparse_allreduce_async  # noqa: F401

@@ -81,6 +81,15 @@ class _Distributed:
         self._hvd_handles: Dict[object, tuple] = {}
         self._hvd_round_open = False
         self._hvd_should_sync = True
+        # set by an explicit synchronize(): a step() outside skip_synchronize()
+        # then warns, as Horovod's does, and synchronizes (a no-op) again
+        self._hvd_synchronized = False
+        # sparse gradients reduced as dense (sparse_as_dense): made sparse again
+        # after the reduction, since optimizers such as SparseAdam demand it
+        self._hvd_resparse: Dict[int, torch.Tensor] = {}
+        # A rank outside the process set neither reduces nor waits: its
+        # optimizer steps on its local gradients, as in Horovod.
+        self._hvd_included = process_set.included() is not False
         self._hvd_group_of: Dict[int, int] = {}
         self._hvd_groups: List[List[torch.Tensor]] = []
         self._hvd_group_ready: Dict[int, set] = {}
@@ -90,6 +99,17 @@ class _Distributed:
         self._hvd_bucket_of: Dict[int, Tuple[_buckets.Bucket, int]] = {}
         if op != ops.Adasum and not self._hvd_groups:
             self._hvd_build_buckets()
+
+    @property
+    def _parameter_names(self) -> Dict[torch.Tensor, str]:
+        """Parameter -> the name its gradient is reduced under (Horovod's attribute).
+
+        Without ``named_parameters`` the names are
+        ``DistributedOptimizer.noname.<group>.<index>``, the same on every rank.
+        """
+        self._hvd_register_all()
+        cut = len(self._hvd_prefix)
+        return {p: name[cut:] for p, name in self._hvd_names.items()}
 
     def _hvd_params(self) -> Iterable[Tuple[int, int, torch.Tensor]]:
         for gi, group in enumerate(self.param_groups):
@@ -104,7 +124,7 @@ class _Distributed:
                 named.add(key)
                 self._hvd_names[p] = self._hvd_prefix + self._hvd_user_names.get(
                     p, f"DistributedOptimizer.noname.{gi}.{pi}")
-            if p.requires_grad and key not in self._hvd_hooks:
+            if p.requires_grad and key not in self._hvd_hooks and self._hvd_included:
                 self._hvd_hooks[key] = _take_over(p, self)
 
     def _hvd_build_groups(self, num_groups, groups) -> None:
@@ -153,6 +173,7 @@ class _Distributed:
     def _hvd_sparse_in_bucket(self, p: torch.Tensor):
         """The dense gradient a bucket packs for ``p``'s sparse one (None: sent alone)."""
         if self._hvd_sparse_as_dense:
+            self._hvd_resparse[id(p)] = p
             p.grad = p.grad.to_dense()
             return p.grad
         self._hvd_launch(p)  # its own gather; the bucket slot travels as zeros
@@ -208,6 +229,7 @@ class _Distributed:
         if p.grad is None:
             p.grad = torch.zeros_like(p, memory_format=torch.preserve_format)
         elif p.grad.is_sparse and (self._hvd_sparse_as_dense or force):
+            self._hvd_resparse[id(p)] = p
             p.grad = p.grad.to_dense()
         return p.grad
 
@@ -246,7 +268,8 @@ class _Distributed:
         pass ran since the last synchronization.
         """
         self._hvd_register_all()  # parameters unfrozen or added since
-        if not self._hvd_round_open:
+        self._hvd_synchronized = True
+        if not self._hvd_round_open or not self._hvd_included:
             return
         launched_groups = {k[1] for k in self._hvd_handles if isinstance(k, tuple)
                            and k[0] == "group"}
@@ -287,6 +310,10 @@ class _Distributed:
                 for p, out, (compressed, ctx) in zip(extra, outs, payload):
                     if compressed is not p.grad:
                         p.grad.copy_(self._hvd_compression.decompress(out, ctx))
+        resparse, self._hvd_resparse = self._hvd_resparse, {}
+        for p in resparse.values():
+            if p.grad is not None and not p.grad.is_sparse:
+                p.grad = p.grad.to_sparse()
 
     def _hvd_reset_buckets(self) -> None:
         for bucket in self._hvd_buckets:
@@ -316,6 +343,11 @@ class _Distributed:
     def step(self, closure=None):
         """Synchronize gradients (unless inside ``skip_synchronize``), then step."""
         if self._hvd_should_sync:
+            if self._hvd_synchronized:
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
+                              "context after optimizer.synchronize(): the second "
+                              "synchronization is a no-op; wrap step() in "
+                              "skip_synchronize() to say so", stacklevel=2)
             self.synchronize()
         elif self._hvd_round_open:
             warnings.warn("DistributedOptimizer.step() inside skip_synchronize() after a "
@@ -331,7 +363,10 @@ class _Distributed:
                 self.synchronize()
                 return loss
 
-        return super().step(closure)
+        try:
+            return super().step(closure)
+        finally:
+            self._hvd_synchronized = False
 
     step.hooked = True  # torch's profiling wrapper already wraps the base class's step
 

@@ -63,11 +63,14 @@ def _run():
         out[f"{label}.type"] = type(sync).__name__
         out[f"{label}.tracked"] = int(sync.num_batches_tracked)
 
-    # -- gradients of collectives: loss = sum over ranks of <out_r, c_r>
+    # -- gradients of collectives: loss = sum over ranks of <out_r, c_r>. The
+    # backward rules are Horovod's: allreduce, alltoall and grouped_allreduce give
+    # the gradient of that sum; allgather and broadcast of its mean over ranks;
+    # reducescatter (Average) n times the gradient of the sum.
     cs = [torch.randn(32, generator=g, dtype=torch.float64) for _ in range(n)]
     xs = [torch.randn(4, 2, generator=g, dtype=torch.float64) for _ in range(n)]
 
-    def check(label, dist_fn, ref_fn):
+    def check(label, dist_fn, ref_fn, scale=1.0):
         x = xs[r].clone().requires_grad_()
         y = dist_fn(x)
         (y * cs_for(label, y)).sum().backward()
@@ -75,7 +78,7 @@ def _run():
         outs = ref_fn(full)
         sum((o * cs_for(label, o, q)).sum() for q, o in enumerate(outs)).backward()
         expected = full[r].grad if full[r].grad is not None else torch.zeros_like(x)
-        out[label] = float((x.grad - expected).abs().max())
+        out[label] = float((x.grad - expected * scale).abs().max())
 
     def cs_for(label, y, q=None):
         return cs[r if q is None else q][:y.numel()].reshape(y.shape)
@@ -86,10 +89,10 @@ def _run():
           lambda f: [sum(2 * t for t in f) / n] * n)
     check("allreduce_max", lambda x: hvd.allreduce(x, op=hvd.Max),
           lambda f: [torch.stack(f).amax(0)] * n)
-    check("allgather", lambda x: hvd.allgather(x), lambda f: [torch.cat(f)] * n)
-    check("broadcast", lambda x: hvd.broadcast(x, root_rank=1), lambda f: [f[1]] * n)
+    check("allgather", lambda x: hvd.allgather(x), lambda f: [torch.cat(f)] * n, 1.0 / n)
+    check("broadcast", lambda x: hvd.broadcast(x, root_rank=1), lambda f: [f[1]] * n, 1.0 / n)
     check("reducescatter", lambda x: hvd.reducescatter(x, op=hvd.Average),
-          lambda f: [(sum(f) / n)[q * 4 // n:(q + 1) * 4 // n] for q in range(n)])
+          lambda f: [(sum(f) / n)[q * 4 // n:(q + 1) * 4 // n] for q in range(n)], float(n))
     check("alltoall", lambda x: hvd.alltoall(x),
           lambda f: [torch.cat([f[s][q * 4 // n:(q + 1) * 4 // n] for s in range(n)])
                      for q in range(n)])

@@ -67,8 +67,9 @@ SIGNATURES = {
     "allgather_object": [("obj", REQUIRED), ("name", None), ("process_set", GPS)],
     "broadcast_parameters": [("params", REQUIRED), ("root_rank", REQUIRED),
                              ("process_set", GPS)],
+    # Horovod's third parameter is model (to find sparse embeddings); process_set is ours.
     "broadcast_optimizer_state": [("optimizer", REQUIRED), ("root_rank", REQUIRED),
-                                  ("process_set", GPS)],
+                                  ("model", None), ("process_set", GPS)],
     "DistributedOptimizer": [("optimizer", REQUIRED), ("named_parameters", None),
                              ("compression", NONE_C), ("backward_passes_per_step", 1),
                              ("op", AVG), ("gradient_predivide_factor", 1.0),

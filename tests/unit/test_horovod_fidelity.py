@@ -1,0 +1,78 @@
+"""Single-process checks of what a Horovod script can observe before any collective runs."""
+
+import pytest
+
+from hvdlike.core import bootstrap, collectives, timeline
+from hvdlike.core import config
+from hvdlike.core.coordinator import Coordinator, build_response
+from hvdlike.core.errors import UnsupportedOpError
+from hvdlike.core.messages import OpType, ReduceOp, Request
+from hvdlike.launcher import env as rank_env
+from hvdlike.launcher.hosts import HostSlots, assign_ranks
+
+
+def req(rank, name, op, shape, **kw):
+    return Request(name=name, op=op, dtype="float32", shape=shape, rank=rank, **kw)
+
+
+def test_timeline_dynamic_means_no_file_until_start_timeline():
+    assert timeline.configured_path("DYNAMIC") == ""
+    assert timeline.configured_path("/tmp/t.json") == "/tmp/t.json"
+    for name in ("HOROVOD_TIMELINE", "HVDLIKE_TIMELINE"):
+        assert config.load({name: "DYNAMIC"}).timeline == ""
+
+
+def test_every_rank_gets_horovodrun_variables_matching_its_placement():
+    placements = assign_ranks([HostSlots("a", 2), HostSlots("b", 1)], 3)
+    for placement in placements:
+        env = rank_env.rank_environment({}, placement, "10.0.0.1", 1234, "s3cret")
+        topo, _ = bootstrap.from_hvdlike_run(env)
+        assert env["HOROVOD_RANK"] == str(topo.rank)
+        assert env["HOROVOD_SIZE"] == "3"
+        assert env["HOROVOD_LOCAL_RANK"] == str(topo.local_rank)
+        assert env["HOROVOD_LOCAL_SIZE"] == str(topo.local_size)
+        assert env["HOROVOD_CROSS_RANK"] == str(topo.cross_rank)
+        assert env["HOROVOD_CROSS_SIZE"] == str(topo.cross_size)
+        assert env["HOROVOD_HOSTNAME"] == placement.host
+    # b's only rank: local 0 of 1, second host
+    assert placements[2].host == "b"
+
+
+def test_a_nested_launcher_does_not_leak_the_outer_ranks_horovod_variables():
+    outer = {"HOROVOD_RANK": "5", "HOROVOD_SIZE": "8", "HOROVOD_HOSTNAME": "x", "PATH": "/bin"}
+    for remote in (False, True):
+        base = rank_env.base_environment(outer, remote=remote)
+        assert base == {"PATH": "/bin"}
+
+
+def test_reducescatter_adasum_is_a_runtime_error_as_in_horovod():
+    with pytest.raises(RuntimeError, match="Adasum") as info:
+        collectives.check_op(ReduceOp.ADASUM, "reducescatter", (ReduceOp.SUM, ReduceOp.AVERAGE))
+    assert isinstance(info.value, (UnsupportedOpError, ValueError))
+
+
+@pytest.mark.parametrize("op", [OpType.ALLGATHER, OpType.BROADCAST, OpType.ALLTOALL,
+                                OpType.REDUCESCATTER])
+def test_collectives_without_a_neutral_value_fail_while_a_rank_has_joined(op):
+    extra = {"splits": (2, 2)} if op == OpType.ALLTOALL else {}
+    resp = build_response([req(0, "t", op, shape=(4,), **extra)], 2, joined=[1])
+    assert resp.error and "join" in resp.error and "'t'" in resp.error
+    assert not build_response([req(0, "t", op, shape=(4,), **extra),
+                               req(1, "t", op, shape=(4,), **extra)], 2).error
+
+
+def test_allreduce_still_runs_while_a_rank_has_joined():
+    resp = build_response([req(0, "t", OpType.ALLREDUCE, shape=(4,))], 2, joined=[1])
+    assert not resp.error and resp.joined == (1,)
+
+
+def test_a_refused_collective_fails_at_once_without_waiting_for_other_ranks():
+    # Ranks whose auto-named allgathers got different numbers must not wait on each other.
+    c = Coordinator(3)
+    c.add([req(1, "join", OpType.JOIN, shape=())])
+    c.add([req(0, "allgather.noname.1", OpType.ALLGATHER, shape=(2,))])
+    c.add([req(2, "allgather.noname.2", OpType.ALLGATHER, shape=(2,))])
+    out = c.ready()
+    assert sorted(r.name for r in out) == ["allgather.noname.1", "allgather.noname.2"]
+    assert all("join" in r.error for r in out)
+    assert len(c) == 1  # only the join is left, waiting for ranks 0 and 2
