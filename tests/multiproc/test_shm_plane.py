@@ -280,9 +280,11 @@ def _bare_plane(behaviour):
     """Two processes on one segment, without a runtime: rank 1 misbehaves."""
     from hvdlike.core import bootstrap, shm_plane
     from hvdlike.core.errors import HvdlikeInternalError
+    from hvdlike.core.job_store import JobStore
 
     topo, rdzv = bootstrap.detect()
-    store = bootstrap.connect_store(topo, rdzv, 30)
+    jobs = JobStore(topo, rdzv, 30)
+    store = jobs.connect()
     settings = shm_plane.Settings(tag="test", host="h", timeout_seconds=2.0,
                                   start_timeout_seconds=30)
     plane = shm_plane.ShmDataGroup(settings, store, topo.rank, 2, [0, 1], gloo=lambda: None)
