@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import secrets
 from datetime import timedelta
 from typing import List, Optional
 
@@ -113,10 +114,12 @@ class AuthenticatedStore(dist.Store):
         full = self._full(key)
         while True:
             current = self._inner.check([full]) and bytes(self._inner.get(full))
-            value = int(self.open(key, current, 32)) if current else 0
+            value = int(self.open(key, current, 64).split(b":")[0]) if current else 0
             if amount == 0:
                 return value
-            new = self.seal(key, str(value + amount))
+            # A nonce makes every write unique, so a client whose compare-and-set
+            # lost the race never mistakes the winner's value for its own.
+            new = self.seal(key, f"{value + amount}:{secrets.token_hex(8)}")
             expected = current if current else b""
             if bytes(self._inner.compare_set(full, expected, new)) == new:
                 return value + amount
@@ -137,9 +140,6 @@ class AuthenticatedStore(dist.Store):
     def compare_set(self, key: str, expected, desired) -> bytes:
         raise HvdlikeInternalError("compare_set is not offered by the authenticated store; "
                                    "use add() for counters")
-
-    def has_extended_api(self) -> bool:
-        return False
 
     def num_keys(self) -> int:
         return self._inner.num_keys()

@@ -113,3 +113,26 @@ def test_gloo_address_records_go_through_the_view(tcp):
     group.allreduce([t]).wait()
     assert t.tolist() == [1.0, 1.0]
     assert all(k.startswith(key_prefix(SECRET)) for k in tcp.list_keys())
+
+
+def test_concurrent_increments_from_an_absent_counter_are_not_lost(tcp):
+    class StaleOnce:
+        """A connection whose first look at the counter predates the other client's write."""
+
+        def __init__(self, inner):
+            self.inner, self.stale = inner, True
+
+        def check(self, keys):
+            if self.stale:
+                self.stale = False
+                return False
+            return self.inner.check(keys)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    first = AuthenticatedStore(tcp, SECRET)
+    second = AuthenticatedStore(StaleOnce(tcp), SECRET)
+    assert first.add("n", 1) == 1
+    assert second.add("n", 1) == 2  # its compare-and-set lost, it retried
+    assert first.add("n", 0) == 2
