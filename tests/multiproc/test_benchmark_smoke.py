@@ -12,7 +12,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-@pytest.mark.parametrize("launcher,engine", [("torchrun", "gloo"), ("mpirun", "mpi")])
+@pytest.mark.parametrize("launcher,engine", [("torchrun", "shm"), ("mpirun", "mpi")])
 def test_quick_benchmark_writes_every_workload_and_finite_ratios(tmp_path, launcher, engine):
     if launcher == "mpirun" and (shutil.which("mpirun") is None
                                  or not __import__("importlib").util.find_spec("mpi4py")):
@@ -25,7 +25,7 @@ def test_quick_benchmark_writes_every_workload_and_finite_ratios(tmp_path, launc
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
     results = data["results"]
-    # hvdlike ran on the engines this launcher gives it.
+    # hvdlike ran on the engines this launcher gives it (one host: shared memory unless MPI).
     assert (data["meta"]["hvdlike_controller"], data["meta"]["hvdlike_cpu_operations"]) == (
         engine, engine)
     assert set(results) == {"train_large", "train_small", "allreduce", "many_small",
