@@ -113,14 +113,17 @@ class AuthenticatedStore(dist.Store):
         """Authenticated counter: a signed decimal updated by compare-and-set."""
         full = self._full(key)
         while True:
-            current = self._inner.check([full]) and bytes(self._inner.get(full))
-            value = int(self.open(key, current, 64).split(b":")[0]) if current else 0
+            exists = self._inner.check([full])
+            current = bytes(self._inner.get(full)) if exists else b""
+            # An existing key is verified even when empty: a blank written by
+            # someone else must not reset the counter.
+            value = int(self.open(key, current, 64).split(b":")[0]) if exists else 0
             if amount == 0:
                 return value
             # A nonce makes every write unique, so a client whose compare-and-set
             # lost the race never mistakes the winner's value for its own.
             new = self.seal(key, f"{value + amount}:{secrets.token_hex(8)}")
-            expected = current if current else b""
+            expected = current
             if bytes(self._inner.compare_set(full, expected, new)) == new:
                 return value + amount
 

@@ -93,6 +93,9 @@ def test_forged_counter_is_refused(tcp):
     tcp.set(key_prefix(SECRET) + "hb", "999")
     with pytest.raises(StoreTamperedError, match="'hb'"):
         auth.add("hb", 0)
+    tcp.set(key_prefix(SECRET) + "hb", "")  # a blank must not reset it either
+    with pytest.raises(StoreTamperedError, match="'hb'"):
+        auth.add("hb", 1)
 
 
 def test_oversized_value_is_refused_before_use(tcp):
