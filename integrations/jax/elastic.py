@@ -1,33 +1,5 @@
-"""hvdlike.jax.elastic: the elastic API on the jax front end.
+"""hvdlike.jax.elastic: the elastic API on the jax front end (see :mod:`hvdlike.frontend.elastic`)."""
 
-The same retry loop and re-rendezvous as ``hvdlike.torch.elastic`` (one core,
-:mod:`hvdlike.core.elastic`); state is an :class:`ObjectState` of picklable
-values (pytrees of arrays included), broadcast with this front end's ``broadcast_object``.
-
-    import hvdlike.jax as hvd
-
-    @hvd.elastic.run
-    def train(state):
-        while state.step < steps:
-            ...
-            state.step += 1
-            state.commit()
-
-    train(hvd.elastic.ObjectState(params=params, step=0))
-"""
-
-from hvdlike.core import api
-from hvdlike.core.elastic import HorovodInternalError, HostsUpdatedInterrupt, State, run
-from hvdlike.core.elastic import ObjectState as _ObjectState
-
-
-class ObjectState(_ObjectState):
-    """Elastic state of picklable values (keyword arguments become attributes)."""
-
-    def __init__(self, bcast_object=None, get_rank=api.rank, **kwargs):
-        from . import allgather_object, broadcast_object
-
-        super().__init__(bcast_object or broadcast_object, get_rank, allgather_object, **kwargs)
-
-
-__all__ = ["HorovodInternalError", "HostsUpdatedInterrupt", "ObjectState", "State", "run"]
+from hvdlike.frontend.elastic import (  # noqa: F401 - the shared implementation
+    HorovodInternalError, HostsUpdatedInterrupt, ObjectState, State, run, __all__,
+)
