@@ -92,6 +92,16 @@ def _choice(*allowed: str) -> Callable[[str], str]:
     return parse
 
 
+def auto_bool(text: str) -> Optional[bool]:
+    """``auto`` (or empty) -> None, else a boolean."""
+    if text.strip().lower() in ("auto", ""):
+        return None
+    try:
+        return _parse_bool(text)
+    except ValueError:
+        raise ValueError("auto or a boolean (1/0, true/false, yes/no, on/off)") from None
+
+
 def _string(text: str) -> str:
     return text
 
@@ -198,6 +208,14 @@ KNOBS = (
     Knob("shm", True, _parse_bool,
          "move CPU tensors between ranks of one host through shared memory (0: Gloo's TCP)",
          flag="--no-shm"),
+    Knob("hierarchical_allreduce", None, auto_bool,
+         "allreduce of a process set spanning hosts: inside each host on shared memory, "
+         "across hosts between one rank per host (auto: when some host has several members)",
+         flag="--hierarchical-allreduce"),
+    Knob("hierarchical_allgather", None, auto_bool,
+         "allgather of a process set spanning hosts in the same three phases "
+         "(auto: when some host has several members)",
+         flag="--hierarchical-allgather"),
     Knob("disable_group_fusion", False, _parse_bool,
          "do not fuse the members of grouped collectives with other tensors",
          flag="--disable-group-fusion"),
@@ -231,6 +249,8 @@ class Config:
     cpu_operations: str = "auto"
     disable_group_fusion: bool = False
     shm: bool = True
+    hierarchical_allreduce: Optional[bool] = None  # None: auto
+    hierarchical_allgather: Optional[bool] = None
 
     @property
     def log_level_number(self) -> int:

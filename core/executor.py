@@ -204,7 +204,8 @@ class Executor:
 
         timeline = self.recording.timeline
         if timeline is not None:
-            done = timeline.wrap(items, self._batch_started, done, getattr(work, "engine", ""))
+            done = timeline.wrap(items, self._batch_started, done, getattr(work, "engine", ""),
+                                 getattr(work, "phases", None))
         self.launched += 1
         if getattr(work, "inline", False):
             # A blocking engine (MPI, see mpi_plane.py) runs on this thread, in

@@ -88,12 +88,19 @@ class ProcessSetState:
                 else:
                     mpi_plane.free(comm)  # only its duplicate (the data plane) is used
             if parts.shm is not None and self.size > 1 and "gloo" in parts.engines:
-                from . import shm_plane
+                from . import shm_hierarchy, shm_plane
+
+                def gloo():
+                    return self.groups.torch_group("cpu")
+
+                def across_hosts(store, layout):
+                    return shm_hierarchy.build(parts.shm, store, self.rank, self.ranks, layout,
+                                               gloo, parts.abandon, self.groups.subgroup)
 
                 data, shm_control = shm_plane.for_set(
-                    parts.shm, self.groups.store, self.rank, self.ranks,
-                    lambda: self.groups.torch_group("cpu"), parts.abandon,
-                    data=cpu_engine == "gloo", control=controller_engine == "gloo")
+                    parts.shm, self.groups.store, self.rank, self.ranks, gloo, parts.abandon,
+                    data=cpu_engine == "gloo", control=controller_engine == "gloo",
+                    across_hosts=across_hosts)
                 if data is not None:
                     self.groups.cpu_plane = data
                 if shm_control is not None:

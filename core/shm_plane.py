@@ -72,6 +72,8 @@ class Settings:
     host: str
     timeout_seconds: float
     start_timeout_seconds: float
+    hierarchical_allreduce: Optional[bool] = None  # None: auto (see shm_hierarchy.wanted)
+    hierarchical_allgather: Optional[bool] = None
 
 
 def _boot_id() -> str:
@@ -91,21 +93,40 @@ def settings(cfg, topology, rendezvous) -> Optional[Settings]:
     takes part under a host name nobody else has.
     """
     if not cfg.shm or topology.size < 2 or not rendezvous.secret:
+        if (not cfg.shm and topology.rank == 0
+                and (cfg.hierarchical_allreduce or cfg.hierarchical_allgather)):
+            from .log import logger
+
+            logger.warning("hierarchical collectives need the shared-memory plane inside "
+                           "each host; HVDLIKE_SHM=0 keeps every collective on flat Gloo")
         return None
     host = f"{topology.hostname}|{_boot_id()}"
     if not os.path.isdir(shm_segment.SHM_DIR):
         host = f"{host}|rank{topology.rank}"  # shares with nobody
     return Settings(tag=job_tag(rendezvous.secret), host=host,
                     timeout_seconds=cfg.gloo_timeout_seconds,
-                    start_timeout_seconds=cfg.start_timeout)
+                    start_timeout_seconds=cfg.start_timeout,
+                    hierarchical_allreduce=cfg.hierarchical_allreduce,
+                    hierarchical_allgather=cfg.hierarchical_allgather)
+
+
+def host_layout(store, settings_: Settings, rank: int, size: int) -> List[List[int]]:
+    """The set's ranks grouped by host, hosts ordered by their lowest set rank.
+
+    Collective over the set: every member publishes its host.
+    """
+    store.set(f"host/{rank}", settings_.host)
+    hosts = [settings_.host if r == rank else store.get(f"host/{r}").decode()
+             for r in range(size)]
+    layout: Dict[str, List[int]] = {}
+    for r, host in enumerate(hosts):
+        layout.setdefault(host, []).append(r)
+    return list(layout.values())
 
 
 def host_members(store, settings_: Settings, rank: int, size: int) -> List[int]:
     """Set ranks on this host (collective over the set: every member publishes its host)."""
-    store.set(f"host/{rank}", settings_.host)
-    hosts = [settings_.host if r == rank else store.get(f"host/{r}").decode()
-             for r in range(size)]
-    return [r for r in range(size) if hosts[r] == settings_.host]
+    return next(h for h in host_layout(store, settings_, rank, size) if rank in h)
 
 
 class _Work:
@@ -228,12 +249,13 @@ class ShmDataGroup:
         flat = tensors[0].reshape(-1)
         return _Work(lambda: self._allreduce(flat, reduce))
 
-    def _allreduce(self, flat: torch.Tensor, reduce) -> None:
+    def _allreduce(self, flat: torch.Tensor, reduce, root: Optional[int] = None) -> None:
         # Per chunk, member ``me`` owns portion [lo, hi): it publishes only the
         # other portions, reduces its own from its private copy and the others'
         # slots (in member order, so the result does not depend on who owns an
         # element), publishes the result in its own slot and reads the other
-        # portions' results from their owners' slots.
+        # portions' results from their owners' slots. With ``root`` only that
+        # member reads them (a reduce: the others' ``flat`` ends partly reduced).
         n, me = self.size, self.rank
         count = flat.numel()
         per_chunk = self.chunk_bytes // flat.element_size()
@@ -256,6 +278,8 @@ class ShmDataGroup:
                        mine[lo:hi])
                 chunk[lo:hi].copy_(mine[lo:hi])
             self._sync("allreduce")
+            if root is not None and me != root:
+                continue
             for m, (a, b) in enumerate(bounds):
                 if m != me and b > a:
                     chunk[a:b].copy_(slots[m, a:b])
@@ -288,15 +312,21 @@ class ShmDataGroup:
         targets = [_bytes(t) for t in outs]
         return _Work(lambda: self._allgather(mine, targets))
 
-    def _allgather(self, mine: torch.Tensor, targets: List[torch.Tensor]) -> None:
+    def _allgather(self, mine: torch.Tensor, targets: List[torch.Tensor],
+                   root: Optional[int] = None) -> None:
+        """Every member's ``mine`` into ``targets`` (with ``root``: only that member's)."""
         n, me = self.size, self.rank
         count = mine.numel()
-        targets[me].copy_(mine)
+        reads = root is None or me == root
+        if reads:
+            targets[me].copy_(mine)
         for start in range(0, count, self.chunk_bytes):
             length = min(self.chunk_bytes, count - start)
             slots = self._buffer(torch.uint8)
             slots[me, :length].copy_(mine[start:start + length])
             self._sync("allgather")
+            if not reads:
+                continue
             for m in range(n):
                 if m != me:
                     targets[m][start:start + length].copy_(slots[m, :length])
@@ -367,18 +397,24 @@ class ShmDataGroup:
 
 def for_set(settings_: Settings, store, rank: int, ranks: Sequence[int],
             gloo: Callable[[], object], abandon: Callable[[], Optional[BaseException]],
-            data: bool = True, control: bool = True) -> tuple:
+            data: bool = True, control: bool = True,
+            across_hosts: Optional[Callable[[object, List[List[int]]], object]] = None) -> tuple:
     """``(data plane, control plane)`` of a process set on shared memory, or ``(None, None)``.
 
     Collective over the set's members (each publishes its host in the set's
-    store). Both are None -- the set keeps Gloo -- when its members span hosts;
-    ``data``/``control`` False leave that plane to another engine (MPI).
+    store). When its members span hosts, negotiation stays on Gloo and the data
+    plane is ``across_hosts(store, layout)`` (the hierarchical plane of
+    :mod:`.shm_hierarchy`, or None: Gloo); ``layout`` lists the set's ranks
+    per host. ``data``/``control`` False leave that plane to another engine (MPI).
     """
     from .shm_control import ShmControlPlane
 
     store = dist.PrefixStore("shm/", store)
-    if len(host_members(store, settings_, rank, len(ranks))) != len(ranks):
-        return None, None
+    layout = host_layout(store, settings_, rank, len(ranks))
+    if len(layout) > 1:
+        if not data or across_hosts is None:
+            return None, None
+        return across_hosts(store, layout), None
     planes = [None, None]
     try:
         if data:

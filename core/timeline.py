@@ -214,7 +214,7 @@ class Timeline:
                 self._emit({"name": str(rank), "ph": "i", "s": "t", "pid": pid, "tid": 0,
                             "ts": self._us(seen), "args": {"ready_rank": rank}})
 
-    def wrap(self, items, started: float, done, engine: str = ""):
+    def wrap(self, items, started: float, done, engine: str = "", phases=None):
         """Wrap a batch's completion callback so it records the batch's phases.
 
         Args:
@@ -222,6 +222,8 @@ class Timeline:
             started: when the executor began launching the batch.
             done: the callback the completion thread runs after the transfer.
             engine: what moved the data ("MPI"); default GLOO, or NCCL for CUDA.
+            phases: a list the transfer fills with ``(name, start, end)`` of its
+                phases (a hierarchical collective's), shown inside the transfer.
         """
         issued = time.monotonic()
         started = started or issued  # recording began while the batch launched
@@ -229,11 +231,12 @@ class Timeline:
         def timed():
             waited = time.monotonic()
             done()
-            self._executed(items, started, issued, waited, time.monotonic(), engine)
+            self._executed(items, started, issued, waited, time.monotonic(), engine, phases)
 
         return timed
 
-    def _executed(self, items, started, issued, waited, finished, engine="") -> None:
+    def _executed(self, items, started, issued, waited, finished, engine="",
+                  phases=None) -> None:
         fused = len(items) > 1
         for response, entry in items:
             op = response.op.name
@@ -246,6 +249,8 @@ class Timeline:
                         "fused_with": len(items) - 1})
             self._span(pid, "MEMCPY_IN_FUSION_BUFFER" if fused else "LAUNCH", started, issued)
             self._span(pid, f"{backend}_{op}", issued, waited)
+            for name, begun, ended in phases or ():
+                self._span(pid, name, begun, ended)
             self._span(pid, "MEMCPY_OUT_FUSION_BUFFER" if fused else "FINALIZE", waited,
                        finished)
 

@@ -87,6 +87,11 @@ class Groups:
                 self._data[device_type] = group
             return group
 
+    def subgroup(self, prefix: str, rank: int, size: int):
+        """A Gloo group of some members only (collective over them), under ``prefix``."""
+        return _gloo_group(dist.PrefixStore(prefix, self.store), rank, size, self.timeout,
+                           self.local_addr)
+
     def close(self) -> None:
         for group in [self.control, self.cpu_plane, *self._data.values()]:
             if group is None:

@@ -179,6 +179,13 @@ def build_parser() -> argparse.ArgumentParser:
         if knob.default is True:  # on by default: the flag turns it off
             knobs.add_argument(knob.flag, dest=f"knob_{knob.field}", action="store_const",
                                const="0", default=None, help=f"{knob.help} ({knob.env}=0)")
+        elif knob.default is None and knob.parse is core_config.auto_bool:
+            # auto by default: the flag forces it on, its --no- form off
+            knobs.add_argument(knob.flag, dest=f"knob_{knob.field}", action="store_const",
+                               const="1", default=None, help=f"{knob.help} ({knob.env}=1)")
+            knobs.add_argument("--no-" + knob.flag[2:], dest=f"knob_{knob.field}",
+                               action="store_const", const="0", default=None,
+                               help=f"never: {knob.env}=0")
         elif isinstance(knob.default, bool):
             knobs.add_argument(knob.flag, dest=f"knob_{knob.field}", action="store_true",
                                default=None, help=f"{knob.help} ({knob.env}=1)")

@@ -34,6 +34,37 @@ COLLECTIVES = """
     print(f"rank={hvd.rank()} size={hvd.size()} local={hvd.local_rank()}/{hvd.local_size()} "
           f"cross={hvd.cross_rank()}/{hvd.cross_size()} host={os.environ['HVDLIKE_HOSTNAME']} "
           f"sum={total:g} gather={gathered} bcast={root:g}")
+    # Two hosts of two ranks: allreduce and allgather are hierarchical (auto), on
+    # shared memory inside each host and between ranks 0 and 2 across.
+    from hvdlike.core import api
+    plane = api.runtime().process_sets[0].groups.cpu_plane
+    timeline = os.path.join(os.path.dirname(os.path.abspath(__file__)), "timeline.json")
+    hvd.start_timeline(timeline)
+    ok = True
+    n, r = hvd.size(), hvd.rank()
+    for dtype in (torch.float32, torch.float64, torch.int32, torch.uint8, torch.bool):
+        for op, fold in ((hvd.Sum, sum), (hvd.Max, max), (hvd.Min, min)):
+            values = [torch.arange(300001, dtype=torch.int64) % (q + 3) for q in range(n)]
+            if dtype == torch.bool:
+                values = [v > 1 for v in values]
+            got = hvd.allreduce(values[r].to(dtype), op=op)
+            want = values[0].to(torch.int64)
+            for v in values[1:]:
+                want = {sum: want + v, max: torch.maximum(want, v),
+                        min: torch.minimum(want, v)}[fold]
+            want = want.bool() if dtype == torch.bool else want.to(dtype)
+            ok = ok and torch.equal(got, want)
+        rows = [torch.full((q + 1, 2), q, dtype=dtype) for q in range(n)]
+        ok = ok and torch.equal(hvd.allgather(rows[r]), torch.cat(rows))
+    hvd.stop_timeline()
+    spans = set()
+    if r == 0:
+        import json
+        with open(timeline) as f:
+            spans = {e["name"] for e in json.load(f) if e.get("ph") == "X"}
+    phases = {"SHM_REDUCE", "GLOO_CROSS_ALLREDUCE", "SHM_BROADCAST", "GLOO_CROSS_ALLGATHER"}
+    print(f"rank={r} plane={type(plane).__name__} correct={ok} "
+          f"phases={phases <= spans if r == 0 else '-'}")
     # Every process of the job (ssh clients, sshd sessions, helpers) shares this PID space.
     import psutil
     secret = os.environ["HVDLIKE_JOB_SECRET"]
@@ -61,6 +92,8 @@ def test_collectives_across_two_hosts(netns_cluster, marker):
         assert (f"[{rank}]<stdout>:rank={rank} size=4 local={local}/2 cross={cross}/2 host={host} "
                 f"sum=6 gather=[0, 1, 2, 3] bcast=20") in out
         assert f"[{rank}]<stdout>:rank={rank} secret on command lines: 0" in out
+        assert (f"[{rank}]<stdout>:rank={rank} plane=HierarchicalGroup correct=True "
+                f"phases={True if rank == 0 else '-'}") in out
     assert c.wait_until_clean() == []
 
 

@@ -53,3 +53,22 @@ def test_every_knob_has_config_field_and_unique_flag():
         assert knob.field in fields
         assert getattr(config.Config(), knob.field) == knob.default
     assert "HVDLIKE_FUSION_THRESHOLD" in config.load({}).describe()
+
+
+def test_hierarchical_knobs_are_auto_unless_forced_under_either_name():
+    assert config.load({}).hierarchical_allreduce is None
+    cfg = config.load({"HOROVOD_HIERARCHICAL_ALLREDUCE": "1",
+                       "HVDLIKE_HIERARCHICAL_ALLGATHER": "off"})
+    assert (cfg.hierarchical_allreduce, cfg.hierarchical_allgather) == (True, False)
+    assert config.load({"HVDLIKE_HIERARCHICAL_ALLREDUCE": "auto"}).hierarchical_allreduce is None
+    with pytest.raises(ConfigError, match="HVDLIKE_HIERARCHICAL_ALLGATHER='2'.*auto or a boolean"):
+        config.load({"HVDLIKE_HIERARCHICAL_ALLGATHER": "2"})
+
+
+def test_hierarchical_choice():
+    from hvdlike.core.shm_hierarchy import wanted
+
+    assert wanted(None, [[0, 1], [2, 3]]) and wanted(None, [[0, 2], [1]])
+    assert not wanted(None, [[0], [1]])  # one member per host: nothing to share
+    assert not wanted(None, [[0, 1]]) and not wanted(True, [[0, 1]])  # one host: flat shm
+    assert wanted(True, [[0], [1]]) and not wanted(False, [[0, 1], [2, 3]])

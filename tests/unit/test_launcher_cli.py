@@ -136,3 +136,13 @@ def test_help_is_the_manual(capsys):
         cli.build_parser().parse_args(["--help"])
     out = capsys.readouterr().out
     assert "--fusion-threshold-mb" in out and "HVDLIKE_FUSION_THRESHOLD" in out
+
+
+def test_hierarchical_flags_force_either_way():
+    assert "HVDLIKE_HIERARCHICAL_ALLREDUCE" not in _config("-np", "2", "python").knob_env
+    env = _config("-np", "2", "--hierarchical-allreduce", "--no-hierarchical-allgather",
+                  "python").knob_env
+    assert env["HVDLIKE_HIERARCHICAL_ALLREDUCE"] == "1"
+    assert env["HVDLIKE_HIERARCHICAL_ALLGATHER"] == "0"
+    cfg = core_config.load(env)
+    assert (cfg.hierarchical_allreduce, cfg.hierarchical_allgather) == (True, False)
