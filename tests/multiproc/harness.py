@@ -21,6 +21,7 @@ from typing import Any, Callable, Dict, Optional, Sequence
 import cloudpickle
 
 from hvdlike.core import bootstrap
+from tests.multiproc import rank_forkserver
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -37,7 +38,11 @@ def _kill_all(procs: Sequence[subprocess.Popen]) -> None:
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
-                pass
+                # A forked rank that has not yet made its own session.
+                try:
+                    os.kill(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
     for proc in procs:
         try:
             proc.wait(5)
@@ -47,7 +52,7 @@ def _kill_all(procs: Sequence[subprocess.Popen]) -> None:
 
 def run_ranks(fn: Callable, np: int = 2, args: Sequence[Any] = (), env: Optional[dict] = None,
               timeout: float = 90.0, expect_failure: bool = False,
-              per_rank_env: Optional[Callable[[int], dict]] = None):
+              per_rank_env: Optional[Callable[[int], dict]] = None, fresh: bool = False):
     """Run ``fn(*args)`` on ``np`` ranks; return results (or outputs if expect_failure).
 
     Args:
@@ -59,6 +64,8 @@ def run_ranks(fn: Callable, np: int = 2, args: Sequence[Any] = (), env: Optional
         expect_failure: when True, do not raise on a failing rank; return
             ``(returncodes, outputs)`` instead.
         per_rank_env: ``fn(rank) -> dict`` of further variables for one rank.
+        fresh: start each rank as a new interpreter instead of forking it from
+            the server that has torch imported (see ``rank_forkserver``).
     """
     from torch.distributed import TCPStore
 
@@ -82,13 +89,16 @@ def run_ranks(fn: Callable, np: int = 2, args: Sequence[Any] = (), env: Optional
             })
             rank_env.update(env or {})
             rank_env.update(per_rank_env(rank) if per_rank_env else {})
-            log = open(os.path.join(tmp, f"rank{rank}.log"), "w+")
+            log_path = os.path.join(tmp, f"rank{rank}.log")
+            log = open(log_path, "w+")
             logs.append(log)
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "tests.multiproc.worker", payload,
-                 os.path.join(tmp, f"result{rank}.pkl")],
-                cwd=ROOT, env=rank_env, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True))
+            args_ = [payload, os.path.join(tmp, f"result{rank}.pkl")]
+            if fresh or not rank_forkserver.enabled():
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "tests.multiproc.worker", *args_], cwd=ROOT,
+                    env=rank_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+            else:
+                procs.append(rank_forkserver.start_rank(args_, rank_env, ROOT, log_path))
         deadline = time.monotonic() + timeout
         try:
             while any(p.poll() is None for p in procs):
