@@ -23,6 +23,7 @@ need a brand-new interpreter pass ``fresh=True`` to ``run_ranks``; setting
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import subprocess
@@ -41,6 +42,26 @@ def enabled() -> bool:
             and os.environ.get("HVDLIKE_TEST_FRESH_RANKS", "0") in ("", "0"))
 
 
+@contextlib.contextmanager
+def _main_not_inherited():
+    """Keep forked ranks from re-running the caller's main script.
+
+    ``multiprocessing`` makes a child import the parent's ``__main__`` when it
+    was started from a file; for a script that calls ``run_ranks`` at module
+    level that would run the script again inside every rank.
+    """
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if main is None or path is None or getattr(main, "__spec__", None) is not None:
+        yield
+        return
+    del main.__file__
+    try:
+        yield
+    finally:
+        main.__file__ = path
+
+
 def _get_context():
     global _context
     with _lock:
@@ -53,7 +74,8 @@ def _get_context():
             os.environ["OMP_NUM_THREADS"] = "1"
             try:
                 from multiprocessing import forkserver
-                forkserver.ensure_running()
+                with _main_not_inherited():
+                    forkserver.ensure_running()
             finally:
                 if saved is None:
                     os.environ.pop("OMP_NUM_THREADS", None)
@@ -132,5 +154,6 @@ def start_rank(argv: Sequence[str], env: Dict[str, str], cwd: str, log_path: str
     ctx = _get_context()
     process = ctx.Process(target=_rank_main, args=(list(argv), dict(env), cwd, log_path),
                           daemon=False)
-    process.start()
+    with _lock, _main_not_inherited():
+        process.start()
     return ForkedRank(process)
