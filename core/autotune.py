@@ -301,14 +301,17 @@ class LiveSettings:
 
     One per runtime: the background thread reads :attr:`cycle_seconds`, every
     executor reads :attr:`fusion_threshold`. The autotuner changes both in the
-    same cycle on every rank (see *Agreement* above).
+    same cycle on every rank (see *Agreement* above); ``separate_groups``
+    (``disable_group_fusion``) is fixed for the runtime's life.
     """
 
-    __slots__ = ("fusion_threshold", "cycle_seconds")
+    __slots__ = ("fusion_threshold", "cycle_seconds", "separate_groups")
 
-    def __init__(self, fusion_threshold: int, cycle_time_ms: float):
+    def __init__(self, fusion_threshold: int, cycle_time_ms: float,
+                 separate_groups: bool = False):
         self.fusion_threshold = fusion_threshold
         self.cycle_seconds = cycle_time_ms / 1000.0
+        self.separate_groups = separate_groups
 
     def apply(self, candidate: Candidate) -> None:
         self.fusion_threshold = candidate.fusion_threshold

@@ -182,7 +182,7 @@ class Executor:
         current = self.settings.fusion_threshold
         if threshold == current and responses == last:
             return batches
-        batches = fusion.plan(responses, current)
+        batches = fusion.plan(responses, current, self.settings.separate_groups)
         self._last_plan = (responses, current, batches)
         return batches
 

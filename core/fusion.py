@@ -22,11 +22,14 @@ def element_size(dtype: str) -> int:
     return torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
 
-def plan(responses: Sequence[Response], threshold_bytes: int) -> List[List[int]]:
+def plan(responses: Sequence[Response], threshold_bytes: int,
+         separate_groups: bool = False) -> List[List[int]]:
     """Group fusable responses into batches of at most ``threshold_bytes``.
 
     Responses fuse when their :meth:`Response.fusion_key` is equal (same op,
-    dtype, device, reduction and scaling). A batch is closed when the next
+    dtype, device, reduction and scaling). With ``separate_groups`` (the
+    ``disable_group_fusion`` knob) the members of a grouped collective fuse
+    only with each other, never with ungrouped tensors or another group. A batch is closed when the next
     member would overflow it; a tensor larger than the threshold, or any
     response when the threshold is 0, is a batch of its own. Batches are
     ordered by their first member, so the order of execution follows the
@@ -36,6 +39,8 @@ def plan(responses: Sequence[Response], threshold_bytes: int) -> List[List[int]]
     open_batch: Dict[tuple, Tuple[int, int]] = {}  # key -> (batch index, bytes so far)
     for i, response in enumerate(responses):
         key = response.fusion_key()
+        if key is not None and separate_groups:
+            key = (key, response.group)
         if key is None or threshold_bytes <= 0:
             batches.append([i])
             continue

@@ -82,7 +82,8 @@ class Runtime:
         self._key_logs: List[generation_keys.KeyLog] = []
         self.local_addr = ""
         self.health: Optional[Health] = None
-        self.settings = autotune.LiveSettings(cfg.fusion_threshold, cfg.cycle_time)
+        self.settings = autotune.LiveSettings(cfg.fusion_threshold, cfg.cycle_time,
+                                              cfg.disable_group_fusion)
         self.autotuner: Optional[autotune.Autotuner] = None
         self.recording = Recording(topology.rank, cfg.timeline_max_bytes)
         self.hooks = CompletionHooks(self._complete, self._complete_many, self._explain)

@@ -35,6 +35,26 @@ def test_errors_are_never_fused():
     assert fusion.plan(rs, 1000) == [[0, 2], [1]]
 
 
+def test_disable_group_fusion_keeps_each_group_to_itself():
+    rs = [_ar("a", 10), _ar("g.0", 10, group="g"), _ar("b", 10), _ar("g.1", 10, group="g"),
+          _ar("h.0", 10, group="h"), _ar("h.1", 10, group="h")]
+    assert fusion.plan(rs, 1 << 20) == [[0, 1, 2, 3, 4, 5]]  # the default: all fuse
+    assert fusion.plan(rs, 1 << 20, separate_groups=True) == [[0, 2], [1, 3], [4, 5]]
+    # The threshold still caps a group's batch.
+    assert fusion.plan(rs, 80, separate_groups=True) == [[0, 2], [1, 3], [4, 5]]
+    assert fusion.plan(rs, 40, separate_groups=True) == [[0], [1], [2], [3], [4], [5]]
+
+
+def test_runtime_settings_carry_disable_group_fusion():
+    from hvdlike.core import config, runtime, topology
+
+    topo = topology.Topology(hostname="h")
+    for env, expected in (({}, False), ({"HOROVOD_DISABLE_GROUP_FUSION": "1"}, True),
+                          ({"HVDLIKE_DISABLE_GROUP_FUSION": "true"}, True)):
+        rt = runtime.Runtime(config.load(env), topo, rendezvous=None)
+        assert rt.settings.separate_groups is expected, env
+
+
 def test_buffer_pool_reuses():
     pool = fusion.BufferPool()
     buf = pool.take(100, torch.float32, torch.device("cpu"))
