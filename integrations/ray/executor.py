@@ -20,6 +20,7 @@ releases the placement group and the store.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 from hvdlike.core.bootstrap import ENV_LAUNCHER
@@ -31,7 +32,12 @@ from hvdlike.launcher.api import RankError
 from hvdlike.launcher.hosts import RankPlacement
 from hvdlike.launcher.rendezvous import StoreServer, interface_address, new_secret
 
+from .elastic import ElasticParams, ElasticRayJob, check_params
 from .worker import Worker
+
+
+def _call_without_executable(fn, args, kwargs, executable):  # noqa: ARG001 - run() ignores it
+    return fn(*args, **kwargs)
 
 
 @dataclasses.dataclass
@@ -89,7 +95,17 @@ class RayExecutor:
     def __init__(self, settings: RaySettings, num_workers: Optional[int] = None,
                  num_hosts: Optional[int] = None, num_workers_per_host: int = 1,
                  cpus_per_worker: float = 1, use_gpu: bool = False,
-                 gpus_per_worker: Optional[float] = None):
+                 gpus_per_worker: Optional[float] = None,
+                 min_workers: Optional[int] = None, max_workers: Optional[int] = None,
+                 reset_limit: Optional[int] = None,
+                 cooldown_range: Optional[Sequence[float]] = None,
+                 elastic_timeout: float = 600, override_discovery: bool = True):
+        self._elastic: Optional[ElasticRayJob] = None
+        if min_workers is not None or max_workers is not None:
+            self._init_elastic(settings, num_workers, num_hosts, cpus_per_worker, use_gpu,
+                               gpus_per_worker, min_workers, max_workers, reset_limit,
+                               cooldown_range, elastic_timeout)
+            return
         if (num_workers is None) == (num_hosts is None):
             raise ValueError("RayExecutor: give num_workers, or num_hosts with "
                              "num_workers_per_host (not both)")
@@ -113,6 +129,36 @@ class RayExecutor:
         self._pg = None
         self._store: Optional[StoreServer] = None
         self._broken: Optional[str] = None
+
+    def _init_elastic(self, settings, num_workers, num_hosts, cpus_per_worker, use_gpu,
+                      gpus_per_worker, min_workers, max_workers, reset_limit, cooldown_range,
+                      elastic_timeout) -> None:
+        if num_workers is not None or num_hosts is not None:
+            raise ValueError("RayExecutor: give num_workers/num_hosts (a fixed job) or "
+                             "min_workers/max_workers (an elastic job), not both")
+        if min_workers is None:
+            raise ValueError("RayExecutor: max_workers needs min_workers (a positive integer)")
+        if cpus_per_worker <= 0:
+            raise ValueError(f"RayExecutor: cpus_per_worker={cpus_per_worker!r} must be > 0")
+        if gpus_per_worker is not None and not use_gpu:
+            raise ValueError("RayExecutor: gpus_per_worker needs use_gpu=True")
+        check_params(min_workers, max_workers, reset_limit, cooldown_range, elastic_timeout)
+        self.settings = settings
+        self.num_workers = min_workers
+        self.cpus_per_worker = cpus_per_worker
+        self.gpus_per_worker = (gpus_per_worker or 1) if use_gpu else 0
+        self.workers, self.placements, self.pids = [], [], []
+        self._pg = self._store = self._broken = None
+        params = ElasticParams(min_workers, max_workers, reset_limit,
+                               tuple(cooldown_range) if cooldown_range else None,
+                               float(elastic_timeout))
+        self._elastic = ElasticRayJob(params, settings.timeout_s, (settings.nics or [""])[0],
+                                      cpus_per_worker, self.gpus_per_worker)
+
+    @property
+    def elastic(self) -> Optional[ElasticRayJob]:
+        """The elastic job's state (None for a fixed job)."""
+        return self._elastic
 
     # -- start -------------------------------------------------------------
 
@@ -163,6 +209,10 @@ class RayExecutor:
 
         if not ray.is_initialized():
             raise HvdlikeError("RayExecutor.start: call ray.init() (or ray.init(address=...)) first")
+        if self._elastic is not None:
+            self._elastic.start(executable_cls, executable_args, executable_kwargs,
+                                extra_env_vars)
+            return
         if self.workers:
             raise HvdlikeError("RayExecutor.start: already started; call shutdown() first")
         self._pg = self._reserve(ray)
@@ -260,14 +310,20 @@ class RayExecutor:
             RankError: a rank raised (with its traceback) or its actor died.
         """
         args, kwargs = tuple(args or ()), dict(kwargs or {})
+        if self._elastic is not None:
+            return self._elastic.run(functools.partial(_call_without_executable, fn, args,
+                                                       kwargs))
         return self._check_all(self._call_all(lambda w: w.run.remote(fn, args, kwargs)))
 
     def execute(self, fn: Callable[[Any], Any]) -> List[Any]:
         """``fn(executable)`` on every rank (the ``executable_cls`` object, or None)."""
+        if self._elastic is not None:
+            return self._elastic.run(fn)
         return self._check_all(self._call_all(lambda w: w.execute.remote(fn)))
 
     def execute_single(self, fn: Callable[[Any], Any]) -> Any:
         """``fn(executable)`` on rank 0 only."""
+        self._not_elastic("execute_single")
         self._call_all(lambda w: None)
         return self._check_all([self.workers[0].execute.remote(fn)])[0]
 
@@ -278,14 +334,24 @@ class RayExecutor:
         ``ray.get`` on a ref of a rank that raised raises an error carrying the
         remote traceback.
         """
+        self._not_elastic("run_remote")
         args, kwargs = tuple(args or ()), dict(kwargs or {})
         return self._call_all(lambda w: w.call.remote(fn, args, kwargs))
+
+    def _not_elastic(self, name: str) -> None:
+        if self._elastic is not None:
+            raise HvdlikeError(f"RayExecutor.{name}: not available in an elastic job (its "
+                               "rank actors change between generations); use run() or execute()")
 
     # -- stopping ------------------------------------------------------------
 
     def shutdown(self) -> None:
         """Kill every rank actor, release the placement group and the store."""
         import ray
+
+        if self._elastic is not None:
+            self._elastic.shutdown()
+            return
 
         for worker in self.workers:
             try:

@@ -33,11 +33,20 @@ def outcome_of(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str,
     """Call ``fn``; return ``{"ok": True, "value": ...}`` or the failure with its traceback."""
     try:
         return {"ok": True, "value": fn(*args, **dict(kwargs))}
+    except SystemExit as exc:
+        if exc.code in (0, None) and os.environ.get("HVDLIKE_ELASTIC_WORKER"):
+            raise  # an elastic rank left out of the job: not a failure
+        return _failed(exc)
     except BaseException as exc:  # noqa: BLE001 - every failure goes back to the driver
-        text = str(exc).splitlines()[0] if str(exc) else ""
-        _abort_runtime(f"raised {type(exc).__name__}" + (f": {text}" if text else ""))
-        return {"ok": False, "type": type(exc).__name__, "message": str(exc),
-                "traceback": traceback.format_exc()}
+        return _failed(exc)
+
+
+def _failed(exc: BaseException) -> dict:
+    """The outcome of a failure (called while it is being handled, for its traceback)."""
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    _abort_runtime(f"raised {type(exc).__name__}" + (f": {text}" if text else ""))
+    return {"ok": False, "type": type(exc).__name__, "message": str(exc),
+            "traceback": traceback.format_exc()}
 
 
 class RankFailure(Exception):
@@ -77,6 +86,25 @@ class Worker:
 
     def run(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict:
         return outcome_of(fn, args, kwargs)
+
+    def run_elastic(self, env: Mapping[str, str], fn: Callable[[Any], Any], cls: Optional[type],
+                    args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict:
+        """One rank of an elastic job: take its variables, build the executable, run ``fn``.
+
+        A rank the job leaves out of a generation ends with ``SystemExit(0)``
+        inside ``hvd.elastic.run``: that is ``{"ok": True, "left": True}``.
+        """
+        self.set_env(env)
+        made = self.start_executable(cls, args, kwargs)
+        if not made["ok"]:
+            return made
+        try:
+            return outcome_of(fn, (self.executable,), {})
+        except SystemExit as exc:  # outcome_of lets a clean exit through (see there)
+            if exc.code in (0, None):
+                return {"ok": True, "left": True}
+            return {"ok": False, "type": "SystemExit", "message": str(exc.code),
+                    "traceback": traceback.format_exc()}
 
     def call(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
         """Like :meth:`run`, but returns the value itself and raises :class:`RankFailure`."""

@@ -187,7 +187,8 @@ class ElasticDriver:
         if worker.stop_requested_at is not None:
             worker.state = WorkerState.STOPPED
             return
-        reason = describe_exit(code, worker.remote)
+        # A rank that is not a process (a Ray actor) says itself why it ended.
+        reason = getattr(worker, "exit_reason", None) or describe_exit(code, worker.remote)
         self.result.lost.append(Lost(worker.rank, worker_id, worker.host, reason, self.generation))
         if self._finishing or self.result.interrupted:
             return

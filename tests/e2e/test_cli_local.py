@@ -81,11 +81,33 @@ def test_check_build(marker):
     code, out, err, _ = run(["--check-build"])
     assert code == 0, err
     assert "[X] PyTorch" in out and "[X] Gloo" in out
+    import importlib.metadata
     import importlib.util
     import shutil
 
     # Each engine is listed, and marked available exactly when it is there.
+    def mark(ok):
+        return "[X]" if ok else "[ ]"
+
     ray_here = importlib.util.find_spec("ray") is not None
-    assert f"[{'X' if ray_here else ' '}] Ray (hvdlike.ray)" in out
-    assert f"[{'X' if shutil.which('srun') else ' '}] srun (Slurm)" in out
-    assert "mpirun (Open MPI)" in out and "mpirun (MPICH)" in out
+    ray_line = next(line for line in out.splitlines() if "] Ray (" in line)
+    assert ray_line.startswith(f"    {mark(ray_here)} Ray ("), out
+    if ray_here:
+        assert f"ray {importlib.metadata.version('ray')}" in ray_line
+    srun = shutil.which("srun")
+    assert f"{mark(srun)} Slurm ({srun or 'no srun on PATH'}" in out, out
+    ssh = shutil.which("ssh")
+    assert f"{mark(ssh)} ssh ({ssh or 'no ssh client on PATH'})" in out, out
+    if os.environ.get("HVDLIKE_SHM") is None:
+        shm = os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK)
+        assert f"{mark(shm)} shared memory (" in out, out
+    mpi_lines = [line for line in out.splitlines() if "] MPICH (" in line or "] Open MPI (" in line]
+    mpi = importlib.util.find_spec("mpi4py") is not None and shutil.which("mpirun") is not None
+    assert len(mpi_lines) == 2 and sum("[X]" in line for line in mpi_lines) == int(mpi), out
+    train_line = next(line for line in out.splitlines() if "] Ray Train (" in line)
+    # ray.train imports only with its extra's packages (importing it here would take seconds).
+    train_deps = ray_here and all(importlib.util.find_spec(m) is not None
+                                  for m in ("pandas", "pyarrow", "tensorboardX"))
+    assert train_line.startswith(f"    {mark(train_deps)} Ray Train ("), train_line
+    if not train_deps:
+        assert "hvdlike[ray-train]" in train_line, train_line

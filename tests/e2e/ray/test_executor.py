@@ -1,8 +1,8 @@
-"""hvdlike.ray.RayExecutor on a real local Ray cluster (one ``ray.init`` for the module).
+"""hvdlike.ray.RayExecutor (fixed size) on the package's real local Ray cluster.
 
-Ray's start-up is slow on a small machine, so the module shares one cluster and
-keeps to three executors. Every test checks that ``shutdown()`` leaves no rank
-actor process and gives every CPU back to Ray.
+Ray's start-up is slow on a small machine, so the tests share one cluster
+(``conftest.py``) and keep to three executors. Every test checks that
+``shutdown()`` leaves no rank actor process and gives every CPU back to Ray.
 """
 
 import os
@@ -13,42 +13,14 @@ import time
 import psutil
 import pytest
 
-from .conftest import launcher_env
-
-CPUS = 4
+from .conftest import wait_cpus_back, wait_gone
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    try:
-        import ray
-    except ImportError:
-        print("Ray tests skipped: ray is not installed (pip install 'hvdlike[ray]')")
-        pytest.skip("Ray tests skipped: ray is not installed (pip install 'hvdlike[ray]')")
-    # Actors are new Python processes: give them the same import path and gloo timeout.
-    env = launcher_env()
-    # Ray gives its raylet 30 s to register by default; a busy 2-core machine needs longer.
-    os.environ.setdefault("RAY_raylet_start_wait_time_s", "120")
-    ray.init(num_cpus=CPUS, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {k: env[k] for k in ("PYTHONPATH",
-                                                          "HVDLIKE_GLOO_TIMEOUT_SECONDS")}})
-    try:
-        yield ray
-    finally:
-        ray.shutdown()
-
-
-def _shut_down_cleanly(ray, executor):
+def _shut_down_cleanly(ray_cluster, executor):
     pids = list(executor.pids)
     executor.shutdown()
-    deadline = time.monotonic() + 20
-    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
-              for p in pids):
-        assert time.monotonic() < deadline, f"rank actors still alive: {pids}"
-        time.sleep(0.2)
-    while ray.available_resources().get("CPU", 0) < CPUS:
-        assert time.monotonic() < deadline, ray.available_resources()
-        time.sleep(0.2)
+    wait_gone(pids)
+    wait_cpus_back(ray_cluster)
 
 
 def test_run_execute_and_run_remote_in_rank_order(ray_cluster):
@@ -80,7 +52,7 @@ def test_run_execute_and_run_remote_in_rank_order(ray_cluster):
             10, 11]
         assert executor.execute_single(lambda model: model.base) == 10
         refs = executor.run_remote(train, kwargs={"scale": 1})
-        assert [r[6] for r in ray_cluster.get(refs)] == [3.0, 3.0]
+        assert [r[6] for r in ray_cluster.ray.get(refs)] == [3.0, 3.0]
         # The job secret reaches the actors over Ray's channel, never a command line.
         secret = executor._store.secret
         assert len(secret) == 32
@@ -174,40 +146,3 @@ def test_bad_arguments_are_refused_before_anything_starts():
         RayExecutor(settings, num_workers=1, gpus_per_worker=1)
     with pytest.raises(ValueError, match="timeout_s"):
         RayExecutor.create_settings(timeout_s=0)
-
-
-def test_ray_train_trainer_runs_an_hvdlike_loop(ray_cluster, tmp_path):
-    pytest.importorskip("ray.train", exc_type=ImportError,
-                        reason="Ray Train test skipped: ray.train needs its extras "
-                               "(pip install 'hvdlike[ray-train]'; not installed by .ci/run)")
-    from ray.train import RunConfig, ScalingConfig
-    from ray.train.v2._internal.constants import is_v2_enabled
-
-    from hvdlike.ray import HvdlikeConfig
-
-    if is_v2_enabled():
-        from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
-    else:
-        from ray.train.data_parallel_trainer import DataParallelTrainer
-
-    def train_loop():
-        import torch
-        torch.set_num_threads(1)
-        import hvdlike.torch as hvd
-
-        hvd.init()
-        total = hvd.allreduce(torch.tensor([float(hvd.rank() + 1)]), op=hvd.Sum).item()
-        out = {"sum": total, "size": hvd.size(), "rank": hvd.rank(),
-               "launcher": os.environ["HVDLIKE_LAUNCHER"]}
-        hvd.shutdown()
-        return out
-
-    trainer = DataParallelTrainer(
-        train_loop, backend_config=HvdlikeConfig(timeout_s=60),
-        scaling_config=ScalingConfig(num_workers=2),
-        run_config=RunConfig(storage_path=str(tmp_path), name="hvdlike-train"))
-    result = trainer.fit()
-    assert result.error is None, result.error
-    # Rank 0's return value (Ray Train keeps the first worker's).
-    assert getattr(result, "return_value", None) == {
-        "sum": 3.0, "size": 2, "rank": 0, "launcher": "ray-train"}, result
