@@ -15,6 +15,10 @@ raises :class:`~hvdlike.launcher.api.RankError` with the remote traceback; a
 dead actor (killed, its node lost) raises ``RankError`` naming the rank. The
 executor is then unusable until :meth:`shutdown`, which kills every actor and
 releases the placement group and the store.
+
+With ``min_workers``/``max_workers`` instead of ``num_workers`` the job is
+elastic (:mod:`.elastic`): no placement group, actors per generation, a lost
+rank re-forms the job instead of failing ``run``.
 """
 
 from __future__ import annotations
