@@ -190,6 +190,10 @@ KNOBS = (
     Knob("stall_shutdown_time_seconds", 0.0, _non_negative(float, "seconds >= 0 (0 = never)"),
          "raise on every rank after a stall this long (0 = never)",
          flag="--stall-check-shutdown-time-seconds"),
+    Knob("deadlock_time_seconds", 30.0, _non_negative(float, "seconds >= 0 (0 = never)"),
+         "raise on every rank when every rank of a group has waited this long on collectives "
+         "that cannot complete (the ranks' programs diverged; 0 = never)",
+         flag="--deadlock-time-seconds"),
     Knob("gloo_timeout_seconds", 30.0, _positive(float, "seconds > 0"),
          "timeout of every data-plane collective and of dead-peer detection",
          flag="--gloo-timeout-seconds"),
@@ -242,6 +246,7 @@ class Config:
     stall_check_disable: bool = False
     stall_check_time_seconds: float = 60.0
     stall_shutdown_time_seconds: float = 0.0
+    deadlock_time_seconds: float = 30.0
     gloo_timeout_seconds: float = 30.0
     start_timeout: float = 60.0
     dynamic_process_sets: bool = False

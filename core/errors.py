@@ -43,6 +43,11 @@ class StallError(HvdlikeInternalError):
     """Some ranks waited too long for others to submit a collective."""
 
 
+class DeadlockError(StallError):
+    """Every rank of a group waits on a collective that another of them never
+    submitted: their programs diverged, and no rank can proceed."""
+
+
 class HostsUpdatedInterrupt(RuntimeError):
     """Raised by ``state.commit()`` / ``check_host_updates()`` when the launcher
     published a new set of ranks (hosts added or removed): every rank raises it

@@ -261,13 +261,11 @@ class Executor:
     def _pre_factor(self, response: Response) -> float:
         return 1.0 if response.dtype == "bool" else response.prescale
 
-    def _post_factor(self, response: Response) -> float:
+    def _post_scale(self, tensor: torch.Tensor, response: Response) -> None:
         if response.dtype == "bool":
-            return 1.0  # logical reductions: nothing to scale
-        factor = response.postscale
-        if response.reduce_op == ReduceOp.AVERAGE:
-            factor /= self.size
-        return factor
+            return  # logical reductions: nothing to scale
+        divisor = self.size if response.reduce_op == ReduceOp.AVERAGE else 1
+        scale(tensor, response.postscale, divisor)
 
     # -- allreduce -------------------------------------------------------------
 
@@ -286,7 +284,7 @@ class Executor:
         work = self._group(response).allreduce([buf], self._reduce_options(response, dtype))
 
         def finalize():
-            scale(buf, self._post_factor(response))
+            self._post_scale(buf, response)
             if buf is not out:
                 out.copy_(buf)
             return [out]
@@ -323,7 +321,7 @@ class Executor:
         work = self._group(response).allreduce([flat], self._reduce_options(response, dtype))
 
         def finalize():
-            scale(flat, self._post_factor(response))
+            self._post_scale(flat, response)
             if batched and _split_copy is not None and all(e is not None for _, e in items):
                 # Straight from the buffer into every output: one call, no views.
                 _split_copy(flat, sizes, out=[e.output if e.output.dim() == 1
@@ -423,7 +421,7 @@ class Executor:
 
         def finalize():
             mine = buf[start:start + count]
-            scale(mine, self._post_factor(response))
+            self._post_scale(mine, response)
             return [mine.to(dtype).clone() if mine.dtype != dtype else mine.clone()]
 
         self._submit(work, items, finalize)

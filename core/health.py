@@ -11,6 +11,11 @@ that talks only to the store (through its own connection):
   submitted for ``HVDLIKE_STALL_CHECK_TIME_SECONDS`` is logged with the
   missing ranks; after ``HVDLIKE_STALL_SHUTDOWN_TIME_SECONDS`` rank 0 posts an
   abort message that every rank turns into a :class:`StallError`;
+* a rank blocked in a wait with nothing submitted or completed since says so
+  with everything it has pending; when every rank of a group is stuck on
+  names that only other stuck ranks could complete (:mod:`.deadlock`) for
+  ``HVDLIKE_DEADLOCK_TIME_SECONDS``, rank 0 posts the abort with a
+  :class:`DeadlockError` naming what each rank waits for;
 * when a collective fails, :meth:`Health.diagnose` tells which peers stopped
   beating, so the error names the dead rank and its host.
 """
@@ -23,7 +28,8 @@ import threading
 import time
 from typing import Callable, Dict, List, Optional
 
-from .errors import StallError
+from . import deadlock
+from .errors import DeadlockError, StallError
 from .store_auth import StoreTamperedError
 from .log import logger
 
@@ -36,13 +42,20 @@ class Health:
     def __init__(self, store, rank: int, size: int, hostname: str, cfg,
                  waiting_since: Callable[[], Dict[tuple, float]],
                  on_abort: Callable[[BaseException], None],
-                 members: Callable[[int], List[int]] = None):
+                 members: Callable[[int], List[int]] = None,
+                 blocked_since: Callable[[], Optional[float]] = lambda: None,
+                 joins: Callable[[], List[tuple]] = lambda: []):
         self.store = store
         self.rank = rank
         self.size = size
         self.cfg = cfg
         self.interval = min(1.0, cfg.stall_check_time_seconds / 4.0)
         self.stall_enabled = not cfg.stall_check_disable
+        self.deadlock_after = cfg.deadlock_time_seconds
+        self._blocked_since = blocked_since
+        self._joins = joins
+        self._stuck_clock = deadlock.StuckClock()
+        self._stuck_seen: Dict[int, tuple] = {}  # rank 0: rank -> (record id, since, our clock)
         self._waiting_since = waiting_since
         self._on_abort = on_abort
         self._members = members or (lambda set_id: list(range(size)))
@@ -90,25 +103,39 @@ class Health:
 
     def _tick(self) -> None:
         self._store_op(lambda: self.store.add(f"health/hb/{self.rank}", 1))
-        if self.stall_enabled:
+        if self.stall_enabled or self.deadlock_after > 0:
             self._publish_waiting()
         if self._store_op(lambda: self.store.check(["health/abort"])) and not self._aborted:
             message = self._store_op(lambda: self.store.get("health/abort")).decode()
             self._aborted = True
-            self._on_abort(StallError(message))
+            kind = DeadlockError if message.startswith("deadlock:") else StallError
+            self._on_abort(kind(message))
         if self.rank == 0:
             self._inspect()
 
     def _publish_waiting(self) -> None:
+        """One record per rank: names waited on for a while (the stall inspector)
+        and, while the rank is stuck, everything it has pending (deadlock check)."""
         now = time.monotonic()
+        pending = self._waiting_since()
         half = self.cfg.stall_check_time_seconds / 2.0
         waiting = [[set_id, name, round(now - t, 1)]
-                   for (set_id, name), t in self._waiting_since().items() if now - t >= half]
+                   for (set_id, name), t in pending.items() if now - t >= half] \
+            if self.stall_enabled else []
         names = sorted((set_id, name) for set_id, name, _ in waiting)
-        if names != self._published:
-            payload = json.dumps(waiting)
+        stuck = None
+        if self.deadlock_after > 0:
+            since = self._stuck_clock.update(self._blocked_since(), pending, now)
+            if since is not None and now - since >= self.interval:
+                joins = set(self._joins())
+                stuck = {"id": since, "age": round(now - since, 1),
+                         "pending": [[set_id, name, (set_id, name) in joins]
+                                     for set_id, name in sorted(pending)]}
+        key = (names, stuck and stuck["id"])
+        if key != self._published:
+            payload = json.dumps({"waiting": waiting, "stuck": stuck})
             self._store_op(lambda: self.store.set(f"health/waiting/{self.rank}", payload))
-            self._published = names
+            self._published = key
 
     def _read(self, key: str) -> Optional[bytes]:
         def op():
@@ -143,9 +170,14 @@ class Health:
                 self._warned_silent.add(r)
                 logger.warning("rank %d on %s has not shown signs of life for %.0fs "
                                "(stopped, hung or dead?)", r, self.host(r), now - last[1])
+        if not self.stall_enabled and self.deadlock_after <= 0:
+            return
+        records = self._records()
+        if self.deadlock_after > 0:
+            self._check_deadlock(records, now)
         if not self.stall_enabled:
             return
-        report = self.stall_report()
+        report = self.stall_report(records)
         if not report:
             return
         longest, text = report
@@ -159,13 +191,47 @@ class Health:
                        f"{limit:g}); shutting down every rank.\n{text}")
             self._store_op(lambda: self.store.set("health/abort", message))
 
-    def stall_report(self):
+    def _records(self) -> Dict[int, dict]:
+        """Every rank's published record (ranks that published none are left out)."""
+        found = {}
+        for r in range(self.size):
+            raw = self._read(f"health/waiting/{r}")
+            if raw:
+                found[r] = json.loads(raw)
+        return found
+
+    def _check_deadlock(self, records: Dict[int, dict], now: float) -> None:
+        stuck, since = {}, {}
+        for r, record in records.items():
+            mark = record.get("stuck")
+            if not mark:
+                self._stuck_seen.pop(r, None)
+                continue
+            seen = self._stuck_seen.get(r)
+            if seen is None or seen[0] != mark["id"]:
+                # The age is published once per episode; convert it to our clock.
+                seen = self._stuck_seen[r] = (mark["id"], now - mark["age"])
+            stuck[r] = [(int(s), n, bool(j)) for s, n, j in mark["pending"]]
+            since[r] = seen[1]
+        if not stuck or self._aborted:
+            return
+        ranks = deadlock.find_deadlock(stuck, self._members)
+        if not ranks:
+            return
+        waited = min(now - since[r] for r in ranks)
+        if waited < self.deadlock_after:
+            return
+        message = deadlock.describe(ranks, stuck, self._members, self.host, waited,
+                                   self.deadlock_after)
+        self._store_op(lambda: self.store.set("health/abort", message))
+
+    def stall_report(self, records: Optional[Dict[int, dict]] = None):
         """``(longest wait, text)`` naming stalled tensors and missing ranks, or None."""
         names: Dict[tuple, List[int]] = {}  # (process set id, name) -> ranks waiting
         now = time.monotonic()
-        for r in range(self.size):
-            raw = self._read(f"health/waiting/{r}")
-            for set_id, name, seconds in (json.loads(raw) if raw else []):
+        records = self._records() if records is None else records
+        for r, record in records.items():
+            for set_id, name, seconds in record.get("waiting", []):
                 name = (set_id, name)
                 names.setdefault(name, []).append(r)
                 # Ages are published once per name; convert to our own clock.

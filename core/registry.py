@@ -125,6 +125,11 @@ class ProcessSetRegistry:
                 waiting[(set_id, name)] = since
         return waiting
 
+    def joins(self) -> List[tuple]:
+        """``(process set id, name)`` of every join pending here."""
+        return [(set_id, name) for set_id, state in list(self.states.items())
+                for name in state.queue.joins()]
+
     # -- building --------------------------------------------------------------------
 
     def _build(self, set_id: int, ranks: Sequence[int]) -> Optional[ProcessSetState]:

@@ -26,6 +26,7 @@ import time
 from typing import Dict, List, Mapping, Optional, Sequence
 
 from . import autotune, bootstrap, config as config_mod, generation_keys
+from .deadlock import Waits
 from .errors import HvdlikeInternalError
 from .executor import CompletionHooks
 from .handles import Handle, finish_many
@@ -37,6 +38,7 @@ from .registry import ProcessSetRegistry
 from .set_state import ProcessSetState, SetParts
 from .tensor_queue import Entry
 from .timeline import Recording
+from .topology import horovod_variables
 
 # Idle back-off of the background loop (see Runtime._loop).
 _IDLE_CYCLES_BEFORE_BACKOFF = 8
@@ -67,6 +69,7 @@ class Runtime:
         self.fatal: Optional[BaseException] = None
         self._stopping = False
         self._flush = threading.Event()  # a user thread waits on a pending handle
+        self.waits = Waits()  # user threads blocked in wait(), for the deadlock check
         self._stopped = threading.Event()
         self._closed = False
         self._thread: Optional[threading.Thread] = None
@@ -125,6 +128,10 @@ class Runtime:
         except BaseException:
             runtime.close()
             raise
+        if environ is os.environ:
+            # Whatever launched the process (mpirun, srun, torchrun, an elastic
+            # re-form), scripts reading HOROVOD_RANK & co. see this runtime's place.
+            os.environ.update(horovod_variables(topology))
         return runtime
 
     def _wire(self, environ: Mapping[str, str], process_sets: list) -> None:
@@ -179,7 +186,8 @@ class Runtime:
             health_store = self._logged_store()
             self.health = Health(health_store, topology.rank, topology.size,
                                  topology.hostname, cfg, self.sets.waiting_since,
-                                 self._set_fatal, self.sets.members)
+                                 self._set_fatal, self.sets.members,
+                                 self.waits.blocked_since, self.sets.joins)
         self.sets.start()
         self.recording.start()
         if topology.rank == 0:
@@ -347,9 +355,14 @@ class Runtime:
                 entry.request = dataclasses.replace(request, root=state.ranks.index(request.root))
 
     def wait(self, handle: Handle, timeout: Optional[float] = None):
-        if not handle._done:
-            self._flush.set()  # someone is blocked on it: cycle now, not at the next tick
-        return handle.wait(self.alive_error, timeout)
+        if handle._done:
+            return handle.wait()
+        self._flush.set()  # someone is blocked on it: cycle now, not at the next tick
+        self.waits.enter()
+        try:
+            return handle.wait(self.alive_error, timeout)
+        finally:
+            self.waits.leave()
 
     # -- background thread ---------------------------------------------------------
 

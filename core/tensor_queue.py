@@ -9,7 +9,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional
 
 from .errors import DuplicateNameError
 from .handles import Handle
-from .messages import Request
+from .messages import OpType, Request
 
 
 @dataclasses.dataclass
@@ -121,6 +121,11 @@ class TensorQueue:
         """Snapshot ``{name: submission time}`` of every collective not yet completed."""
         snapshot = self._inflight.copy()  # one atomic copy; other threads keep mutating
         return {name: entry.enqueued_at for name, entry in snapshot.items()}
+
+    def joins(self) -> List[str]:
+        """Names of the joins among the collectives not yet completed."""
+        snapshot = self._inflight.copy()
+        return [name for name, entry in snapshot.items() if entry.request.op == OpType.JOIN]
 
 
 def _duplicate(name: str, holder: Optional[Entry]) -> DuplicateNameError:

@@ -51,6 +51,24 @@ class Topology:
     hostname: str = ""
 
 
+# What ``horovodrun`` exports to every rank: scripts written for Horovod read
+# these from ``os.environ`` (before and after ``init()``). Topology field -> name.
+HOROVOD_VARIABLES = {
+    "rank": "HOROVOD_RANK",
+    "size": "HOROVOD_SIZE",
+    "local_rank": "HOROVOD_LOCAL_RANK",
+    "local_size": "HOROVOD_LOCAL_SIZE",
+    "cross_rank": "HOROVOD_CROSS_RANK",
+    "cross_size": "HOROVOD_CROSS_SIZE",
+    "hostname": "HOROVOD_HOSTNAME",
+}
+
+
+def horovod_variables(topology: Topology) -> Dict[str, str]:
+    """``HOROVOD_RANK``, ... ``HOROVOD_HOSTNAME`` describing ``topology``."""
+    return {name: str(getattr(topology, field)) for field, name in HOROVOD_VARIABLES.items()}
+
+
 @dataclasses.dataclass(frozen=True)
 class Rendezvous:
     """How to reach the job's store.

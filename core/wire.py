@@ -29,8 +29,18 @@ def movable(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if stand_in is None else tensor.view(stand_in)
 
 
-def scale(tensor: torch.Tensor, factor: float) -> None:
-    """Multiply in place; integers truncate toward zero like Horovod's scaling."""
+def scale(tensor: torch.Tensor, factor: float, divisor: int = 1) -> None:
+    """Multiply by ``factor / divisor`` in place; integers truncate toward zero.
+
+    An average (``divisor`` > 1, ``factor`` 1) of floating-point values is a true
+    division, correctly rounded: ``(k * t) / size`` exactly as the user computes
+    it, where multiplying by a rounded ``1 / size`` can be one unit in the last
+    place off (with 3 ranks, say). Integers scale in float64 and truncate.
+    """
+    if tensor.is_floating_point() and divisor > 1 and factor == 1.0:
+        tensor.div_(divisor)
+        return
+    factor = factor / divisor
     if factor == 1.0:
         return
     if tensor.is_floating_point():

@@ -26,6 +26,7 @@ from hvdlike.core.topology import (
     ENV_SIZE,
     ENV_STORE_ADDR,
     ENV_STORE_PORT,
+    HOROVOD_VARIABLES,
 )
 
 from .hosts import RankPlacement
@@ -40,15 +41,16 @@ _HOST_SPECIFIC = re.compile(
 )
 
 # What horovodrun exports to every rank, under the names scripts written for
-# Horovod read before init(); each mirrors the hvdlike variable it maps from.
+# Horovod read before init(); each mirrors the hvdlike variable it maps from
+# (init() sets them again, for launchers other than this one and elastic re-forms).
 HOROVOD_MIRRORS = {
-    ENV_RANK: "HOROVOD_RANK",
-    ENV_SIZE: "HOROVOD_SIZE",
-    ENV_LOCAL_RANK: "HOROVOD_LOCAL_RANK",
-    ENV_LOCAL_SIZE: "HOROVOD_LOCAL_SIZE",
-    ENV_CROSS_RANK: "HOROVOD_CROSS_RANK",
-    ENV_CROSS_SIZE: "HOROVOD_CROSS_SIZE",
-    ENV_HOSTNAME: "HOROVOD_HOSTNAME",
+    ENV_RANK: HOROVOD_VARIABLES["rank"],
+    ENV_SIZE: HOROVOD_VARIABLES["size"],
+    ENV_LOCAL_RANK: HOROVOD_VARIABLES["local_rank"],
+    ENV_LOCAL_SIZE: HOROVOD_VARIABLES["local_size"],
+    ENV_CROSS_RANK: HOROVOD_VARIABLES["cross_rank"],
+    ENV_CROSS_SIZE: HOROVOD_VARIABLES["cross_size"],
+    ENV_HOSTNAME: HOROVOD_VARIABLES["hostname"],
 }
 
 # The per-rank variables a nested launcher must not leak into its own ranks.

@@ -6,6 +6,8 @@ nothing had happened -- twice in a row, so nothing of the first failure
 lingers (an abort record, a half-negotiated name, a stale auto-name counter).
 """
 
+import os
+import socket
 import time
 
 from tests.multiproc.harness import run_ranks
@@ -34,11 +36,21 @@ def _diverge_then_recover(rounds):
             outcome = "no error"
         except HvdlikeError as exc:
             outcome = type(exc).__name__
+            message = str(exc)
         report.append((outcome, round(time.monotonic() - started, 1)))
+        if outcome == "DeadlockError":
+            report.append(message)
         hvd.shutdown()
         hvd.init()
         total = hvd.allreduce(torch.full((2,), float(hvd.rank() + 1)), op=hvd.Sum)
         gathered = hvd.allgather(torch.tensor([hvd.rank()]))
+        # the harness exports only HVDLIKE_*: init() sets what horovodrun would
+        horovod = {k[len("HOROVOD_"):]: v for k, v in os.environ.items()
+                   if k in ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK",
+                            "HOROVOD_CROSS_SIZE", "HOROVOD_HOSTNAME")}
+        assert horovod == {"RANK": str(hvd.rank()), "SIZE": str(hvd.size()),
+                           "LOCAL_RANK": str(hvd.local_rank()), "CROSS_SIZE": "1",
+                           "HOSTNAME": socket.gethostname()}, horovod
         report.append((total.tolist(), gathered.tolist(), hvd.size()))
         hvd.shutdown()
     return report
@@ -47,11 +59,26 @@ def _diverge_then_recover(rounds):
 def test_diverged_ranks_both_fail_within_the_deadline_then_reinit_cleanly():
     results = run_ranks(_diverge_then_recover, np=2, args=(2,), env=DEADLINES, timeout=120)
     for report in results:
-        for failed, recovered in (report[0:2], report[2:4]):
+        for failed, recovered in (report[0:2], report[2:4]):  # no DeadlockError line
             outcome, waited = failed
             assert outcome == "StallError", report
             assert waited < 30, report  # deadline 3s plus detection; far from a hang
             assert recovered == ([3.0, 3.0], [0, 1], 2), report
+
+
+def test_by_default_a_deadlock_fails_every_rank_naming_what_each_waits_for():
+    # No stall shutdown configured (Horovod's default): the deadlock check ends it.
+    env = {"HVDLIKE_DEADLOCK_TIME_SECONDS": "2"}
+    results = run_ranks(_diverge_then_recover, np=3, args=(1,), env=env, timeout=120)
+    for report in results:
+        (outcome, waited), message, recovered = report
+        assert outcome == "DeadlockError", report
+        assert waited < 30, report
+        assert "deadlock: rank(s) 0, 1, 2 have all waited" in message, message
+        assert "rank 0 (" in message and "waits for 'barrier.noname.0', not submitted by " \
+            "rank(s) 1, 2" in message, message
+        assert "waits for 'the.next.assertion', not submitted by rank(s) 0" in message, message
+        assert recovered == ([6.0, 6.0], [0, 1, 2], 3), report
 
 
 def _mismatch_then_recover():

@@ -40,6 +40,8 @@ def _reform_many(reforms):
     @hvd.elastic.run
     def train(state):
         total = hvd.allreduce(torch.tensor([float(state.step)]), op=hvd.Sum, name="agree")
+        # init() refreshes what horovodrun would export, for this generation's place
+        assert (os.environ["HOROVOD_RANK"], os.environ["HOROVOD_SIZE"]) == (str(hvd.rank()), "2")
         seen.append((ctx.generation, hvd.rank(), int(total.item()),
                      threading.active_count(), len(os.listdir("/proc/self/fd"))))
         while state.step < reforms:

@@ -76,3 +76,23 @@ def test_a_refused_collective_fails_at_once_without_waiting_for_other_ranks():
     assert sorted(r.name for r in out) == ["allgather.noname.1", "allgather.noname.2"]
     assert all("join" in r.error for r in out)
     assert len(c) == 1  # only the join is left, waiting for ranks 0 and 2
+
+
+def test_an_average_is_a_correctly_rounded_division():
+    # With 3 ranks and one joined, an Average is (2 * t) / 3: multiplying by the
+    # float32 nearest to 1/3 is one unit in the last place off for 142 and 130.
+    import torch
+    from hvdlike.core.wire import scale
+    summed = torch.tensor([150.0, 142.0, -188.0, 130.0, 32.0])
+    averaged = summed.clone()
+    scale(averaged, 1.0, 3)
+    assert torch.equal(averaged, summed / 3)
+    half = summed.half()
+    scale(half, 1.0, 3)
+    assert torch.equal(half, (summed / 3).half())
+    ints = torch.tensor([7, -7, 6], dtype=torch.int32)  # truncate toward zero
+    scale(ints, 1.0, 3)
+    assert ints.tolist() == [2, -2, 2]
+    post = torch.tensor([3.0])
+    scale(post, 0.5, 3)  # a postscale factor multiplies by factor / size, as Horovod does
+    assert post.item() == 3.0 * (0.5 / 3)
