@@ -90,19 +90,17 @@ def test_hvdlike_run_inside_salloc_takes_hosts_from_the_allocation(slurm_cluster
 
 
 def test_hvdlike_run_in_sbatch_script_and_a_failing_rank(slurm_cluster, marker):
-    good = write_script(marker, "job.py", JOB)
-    bad = write_script(marker, "bad.py", """
-        import os, sys
-        if os.environ["HVDLIKE_RANK"] == "1":
-            sys.exit(7)
-        import time
-        time.sleep(60)
+    # One job shows both: every rank trains (hosts from the allocation), then rank 1 fails.
+    job = write_script(marker, "job.py", JOB + """
+    import sys, time
+    if os.environ["HVDLIKE_RANK"] == "1":
+        sys.exit(7)
+    time.sleep(60)  # rank 0 is stopped when rank 1 fails
     """)
     batch = write_script(marker, "batch.sh", f"""\
         #!/bin/sh
-        {' '.join(launcher_argv())} {sys.executable} {good} || exit 1
-        {' '.join(launcher_argv())} {sys.executable} {bad}
-        echo "second job exit=$?"
+        {' '.join(launcher_argv())} {sys.executable} {job}
+        echo "job exit=$?"
     """)
     output = os.path.join(str(marker), "batch.out")
     env = slurm_cluster.env(launcher_env())
@@ -119,6 +117,8 @@ def test_hvdlike_run_in_sbatch_script_and_a_failing_rank(slurm_cluster, marker):
     with open(output) as handle:
         log = handle.read()
     for rank in range(2):
-        assert f"slurm rank={rank} size=2 local={rank}/2 cross=0/1 sum=3" in log, log
-    assert "second job exit=7" in log, log
+        line = next((l for l in log.splitlines() if f"slurm rank={rank} " in l), "")
+        assert f"size=2 local={rank}/2 cross=0/1 sum=3" in line, log
+        assert "stepd=True" in line, line
+    assert "job exit=7" in log, log
     assert "rank 1" in log and "exit" in log, log
