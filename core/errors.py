@@ -20,14 +20,19 @@ class NotInitializedError(HvdlikeError, ValueError):
 
 
 class HvdlikeInternalError(HvdlikeError):
-    """A collective failed because of the job, not the caller: dead peer, shutdown, timeout."""
+    """A collective failed because of the job, not the caller: dead peer, shutdown,
+    timeout, ranks that disagree or wait on each other."""
 
 
 HorovodInternalError = HvdlikeInternalError
 
 
-class MismatchError(HvdlikeError, ValueError):
-    """Ranks submitted the same tensor name with incompatible requests."""
+class MismatchError(HvdlikeInternalError, ValueError):
+    """Ranks submitted the same tensor name with incompatible requests (or a
+    collective that cannot run while some rank has joined).
+
+    Raised by ``synchronize`` on every rank; a ``HorovodInternalError`` as the
+    same failure is in Horovod, and a ``ValueError``."""
 
 
 class UnsupportedOpError(HvdlikeError, ValueError):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 from typing import Callable, Optional
 
-from hvdlike.core.errors import HorovodInternalError, HostsUpdatedInterrupt
+from hvdlike.core.errors import HorovodInternalError, HostsUpdatedInterrupt, MismatchError
 from hvdlike.core.log import logger
 
 from . import worker as worker_mod
@@ -41,8 +41,8 @@ def run_fn(func: Callable, reset: Callable[[], None],
                     state.sync()
                 return func(state, *args, **kwargs)
             except HorovodInternalError as exc:
-                if not is_elastic():
-                    raise
+                if not is_elastic() or isinstance(exc, MismatchError):
+                    raise  # ranks that disagree would disagree again after a re-form
                 logger.warning("collective failed (%s); restoring the last commit and "
                                "re-forming", exc)
                 state.restore()

@@ -5,7 +5,7 @@ import pytest
 from hvdlike.core.elastic import ObjectState, run_fn
 from hvdlike.core.elastic import protocol
 from hvdlike.core.elastic.worker import WorkerContext, reset
-from hvdlike.core.errors import HorovodInternalError, HostsUpdatedInterrupt
+from hvdlike.core.errors import HorovodInternalError, HostsUpdatedInterrupt, MismatchError
 
 
 class FakeStore:
@@ -184,6 +184,12 @@ def test_run_loop_lets_user_errors_and_non_elastic_errors_through():
 
     with pytest.raises(ValueError):
         run_fn(bad, reset=lambda: None, is_elastic=lambda: True)(state)
+
+    def disagree(state):  # a HorovodInternalError a re-form cannot cure
+        raise MismatchError("ranks disagree on the shape of collective 'w'")
+
+    with pytest.raises(MismatchError):
+        run_fn(disagree, reset=lambda: pytest.fail("re-formed"), is_elastic=lambda: True)(state)
 
     def lost(state):
         raise HorovodInternalError("peer lost")
