@@ -2,9 +2,11 @@
 
 A sparse gradient (``nn.Embedding(sparse=True)``) touches a few rows. Summing
 it as a dense tensor moves every row; gathering each rank's ``(index, value)``
-pairs moves only the touched ones, and coalescing the concatenation adds up
-rows that several ranks touched. The cost grows with the number of ranks,
-so for dense-ish gradients ``sparse_as_dense=True`` is the better choice.
+pairs moves only the touched ones. As in Horovod, the result is the
+concatenation in rank order, not coalesced: rows several ranks touched appear
+once per rank and add up when it is coalesced or used. The cost grows with the
+number of ranks, so for dense-ish gradients ``sparse_as_dense=True`` is the
+better choice.
 """
 
 from __future__ import annotations
@@ -35,9 +37,8 @@ class SparseHandle(ops.GroupHandle):
         indices, values = results
         if self._average:
             values = values / self._size
-        # Indices come from every rank's coalesced tensor of this shape: valid by construction.
-        out = torch.sparse_coo_tensor(indices.t(), values, self._shape, check_invariants=False)
-        return out.coalesce()
+        # Indices come from every rank's tensor of this shape: valid by construction.
+        return torch.sparse_coo_tensor(indices.t(), values, self._shape, check_invariants=False)
 
 
 def sparse_allreduce_async(tensor, name=None, op=ops.Average,
@@ -45,8 +46,9 @@ def sparse_allreduce_async(tensor, name=None, op=ops.Average,
     """Start reducing a sparse COO tensor across ranks (op Average or Sum).
 
     Returns:
-        A handle; ``hvd.synchronize(handle)`` returns the coalesced sparse
-        sum (or average) of every rank's ``tensor``.
+        A handle; ``hvd.synchronize(handle)`` (or calling it) returns the sum
+        (or average) of every rank's ``tensor`` as a sparse tensor holding every
+        rank's entries in rank order, uncoalesced (as Horovod's).
 
     Raises:
         TypeError: ``tensor`` is not a sparse COO tensor.
@@ -60,10 +62,10 @@ def sparse_allreduce_async(tensor, name=None, op=ops.Average,
         raise ValueError(f"sparse_allreduce_async supports op Average or Sum, got {op.name.title()}")
     if name is None:
         name = ops._name(None, "sparse_allreduce", process_set)
-    t = tensor.coalesce()
-    # Gather (nnz, sparse_dim) index rows so ranks may hold different nnz.
-    indices = t.indices().t().contiguous()
-    values = t.values().contiguous()
+    # Gather (nnz, sparse_dim) index rows so ranks may hold different nnz; the
+    # entries as they are, duplicates included (Horovod sends them so too).
+    indices = tensor._indices().t().contiguous()
+    values = tensor._values().contiguous()
     handles = [ops.allgather_async(indices, name=f"{name}.indices", process_set=process_set),
                ops.allgather_async(values, name=f"{name}.values", process_set=process_set)]
     size = ops._set_size(process_set)

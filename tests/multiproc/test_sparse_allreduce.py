@@ -26,6 +26,8 @@ def _sparse():
     avg = hvd.synchronize(hvd.sparse_allreduce_async(_rows(r), name="emb", op=hvd.Average))
     out["avg_sparse"] = avg.layout == torch.sparse_coo
     out["avg"] = torch.allclose(avg.to_dense(), dense_sum / n)
+    # as in Horovod: every rank's entries in rank order, not coalesced
+    out["layout"] = (avg.is_coalesced(), avg._indices()[0].tolist())
     handle = hvd.sparse_allreduce_async(_rows(r), "emb.sum", hvd.Sum)
     total = handle()  # Horovod's handle is a callable
     out["sum"] = torch.allclose(total.to_dense(), dense_sum)
@@ -45,5 +47,6 @@ def _sparse():
 def test_sparse_allreduce_three_ranks():
     for out in run_ranks(_sparse, np=3, timeout=90):
         assert out["avg_sparse"] and out["avg"] and out["sum"]
+        assert out["layout"] == (False, [0, 1, 0, 2, 5, 0]), out["layout"]
         assert "Average or Sum" in out["bad_op"]
         assert "sparse COO" in out["dense"]
