@@ -56,23 +56,32 @@ def init(comm=None, process_sets: Optional[Union[Sequence[ps.ProcessSet], str]] 
     """
     if isinstance(comm, (list, tuple)):
         raise HvdlikeError("init(comm=[ranks]) is not supported; use process sets instead")
+    if isinstance(process_sets, str):
+        if process_sets != "dynamic":
+            raise ValueError(f"init: process_sets must be a list of ProcessSet or "
+                             f"'dynamic', got {process_sets!r}")
+        settings.setdefault("dynamic_process_sets", True)
+        process_sets = None
+    elif process_sets is not None and not isinstance(process_sets, (list, tuple)):
+        raise TypeError(f"init: process_sets must be a list of ProcessSet or 'dynamic', "
+                        f"got {type(process_sets).__name__}")
+    start(process_sets or (), settings)
+
+
+def start(process_sets: Sequence[ps.ProcessSet], settings: dict, carried=None) -> None:
+    """Build and start a runtime unless one is live (``init`` after its checks).
+
+    ``carried``: what an elastic re-form takes from the previous runtime
+    (see :mod:`hvdlike.core.elastic.carry`).
+    """
     with _SLOT.lock:
         if _SLOT.runtime is not None and _SLOT.runtime.alive_error() is None:
             return
         if _SLOT.runtime is not None:
             _SLOT.runtime.shutdown()
             _SLOT.runtime = None
-        if isinstance(process_sets, str):
-            if process_sets != "dynamic":
-                raise ValueError(f"init: process_sets must be a list of ProcessSet or "
-                                 f"'dynamic', got {process_sets!r}")
-            settings.setdefault("dynamic_process_sets", True)
-            process_sets = None
-        elif process_sets is not None and not isinstance(process_sets, (list, tuple)):
-            raise TypeError(f"init: process_sets must be a list of ProcessSet or 'dynamic', "
-                            f"got {type(process_sets).__name__}")
-        built = Runtime.build(process_sets=process_sets or (),
-                              generation=_SLOT.next_generation(), **settings)
+        built = Runtime.build(process_sets=process_sets, generation=_SLOT.next_generation(),
+                              carried=carried, **settings)
         try:
             _SLOT.runtime = built.start()
         except BaseException:

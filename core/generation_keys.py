@@ -36,12 +36,17 @@ class KeyLog(dist.Store):
     ``PrefixStore`` or process group holds only its C++ half.
     """
 
-    def __init__(self, inner, prefix: str):
+    def __init__(self, inner, prefix: str, publish: Optional[str] = None):
         super().__init__()
         self._inner = inner
         self._prefix = prefix
         self._keys = set()
         self._lock = threading.Lock()
+        # Elastic generations: the list of keys written so far is kept in the
+        # store under this key (itself included), so the keys of a generation
+        # that ended in a failure -- no clean close, maybe a dead writer --
+        # can still be found and deleted (see elastic/protocol.forget_generation).
+        self._publish = prefix + publish if publish else None
 
     def written(self) -> List[str]:
         with self._lock:
@@ -50,7 +55,11 @@ class KeyLog(dist.Store):
     def _note(self, key: str) -> str:
         full = self._prefix + key
         with self._lock:
+            new = full not in self._keys
             self._keys.add(full)
+            if new and self._publish:  # under the lock: lists are written in order
+                self._keys.add(self._publish)
+                self._inner.set(self._publish, json.dumps(sorted(self._keys)))
         return full
 
     def set(self, key: str, value) -> None:

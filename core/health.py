@@ -276,34 +276,51 @@ class Health:
 
     # -- diagnosis after a failure ---------------------------------------------------
 
-    def diagnose(self, wait: Optional[float] = None) -> str:
-        """Name the peers that stopped beating; '' if every peer still looks alive."""
+    def diagnose(self, wait: Optional[float] = None, poll: float = 0.05) -> str:
+        """Name the peers that are gone; '' if every peer still looks alive.
+
+        A peer is gone when it left word in the store (its own reason, a clean
+        shut down, or -- in an elastic job -- how the launcher saw it end) or
+        when its heartbeat does not move for ``wait`` seconds (2.5 heartbeat
+        intervals). The store is polled: the answer comes as soon as a peer
+        is named or every other peer has beaten again, so a lost rank the
+        launcher already reported is named within a poll, not after ``wait``.
+        """
         wait = 2.5 * self.interval if wait is None else wait
         try:
             before = self._counters()
-            time.sleep(wait)
-            after = self._counters()
+            deadline = time.monotonic() + wait
+            while True:
+                time.sleep(poll)
+                after = self._counters()
+                peers = [r for r in range(self.size) if r != self.rank]
+                quiet = [r for r in peers if after[r] == before[r]]
+                words = {r: self._word(r) for r in quiet}
+                named = [r for r in quiet if words[r] is not None]
+                if named or not quiet or time.monotonic() >= deadline:
+                    break
         except StoreTamperedError as exc:
             return str(exc)
         except Exception as exc:
             return (f"the rendezvous store is unreachable ({exc}); the launcher, or rank 0 "
                     f"if it hosted the store, is gone")
+        if named and time.monotonic() < deadline:
+            quiet = named  # the others have not missed a beat yet: no reason to name them
         parts = []
-        for r in range(self.size):
-            if r == self.rank or after[r] != before[r]:
-                continue
+        for r in quiet:
             try:
-                said = self._read(f"health/shutdown/{r}")
-                left = self._read(f"health/bye/{r}") is not None
                 host = self.host(r)
-            except StoreTamperedError as exc:
-                parts.append(str(exc))
-                continue
             except Exception:
-                said, left, host = None, False, "unknown host"
-            if said is not None:
-                state = said.decode()
-            else:
-                state = "shut down" if left else "died or stopped responding"
-            parts.append(f"rank {r} on {host} {state}")
+                host = "unknown host"
+            parts.append(f"rank {r} on {host} {words[r] or 'died or stopped responding'}")
         return "; ".join(parts)
+
+    def _word(self, rank: int) -> Optional[str]:
+        """What ``rank`` (or the launcher, for it) left in the store about its end, if anything."""
+        try:
+            said = self._read(f"health/shutdown/{rank}")
+            if said is not None:
+                return said.decode()
+            return "shut down" if self._read(f"health/bye/{rank}") is not None else None
+        except StoreTamperedError as exc:
+            return str(exc)

@@ -75,6 +75,9 @@ class ProcessSetRegistry:
         self._alive_error = alive_error
         self.ranks: Dict[int, List[int]] = {}
         self.states: Dict[int, ProcessSetState] = {}
+        # The user's objects of every registered set but the global one: an
+        # elastic re-form registers them again, with the same ids.
+        self.objects: Dict[int, ProcessSet] = {}
         self._lock = threading.Lock()  # the counters
         self._next_id = 1
         self._change_count = 0
@@ -201,6 +204,9 @@ class ProcessSetRegistry:
         """Register ``init(process_sets=...)`` before the background thread starts.
 
         Sets with the ranks of an earlier one (or of the whole job) share its id.
+        A set that already carries an id on rank 0 (an elastic re-form registers
+        the previous generation's sets again) keeps it on every rank, even when
+        its ranks are now those of the whole job; the others get the next free ids.
 
         Raises:
             TypeError: an element is not a :class:`ProcessSet`.
@@ -215,19 +221,32 @@ class ProcessSetRegistry:
         mine = [list(p.ranks) for p in psets]
         control = self.states[0].controller.control
         gathered = control.gather(pickle.dumps(mine))
-        verdict = None
+        verdict = ids = None
         if gathered is not None:
             verdict = _disagreement("init()", [pickle.loads(g) for g in gathered])
-        verdict = pickle.loads(control.broadcast(pickle.dumps(verdict)))
+            ids = [p.process_set_id for p in psets]
+        verdict, ids = pickle.loads(control.broadcast(pickle.dumps((verdict, ids))))
         if verdict:
             raise ValueError(verdict)
         by_ranks: Dict[tuple, int] = {tuple(range(self.size)): 0}
-        for pset in psets:
+        kept = {i for i in ids if i}
+        if kept:
+            with self._lock:
+                self._next_id = max(self._next_id, max(kept) + 1)
+        for pset, wanted in zip(psets, ids):
             key = tuple(pset.ranks)
-            if key not in by_ranks:
-                by_ranks[key] = self._next_id_value()
-                self._install(by_ranks[key], pset.ranks, self._build(by_ranks[key], pset.ranks))
-            pset.process_set_id = by_ranks[key]
+            if wanted and wanted not in self.ranks:
+                # registered again: its id stays, even if its ranks are now the whole job's
+                by_ranks.setdefault(key, wanted)
+                set_id = wanted
+            elif key in by_ranks:
+                set_id = by_ranks[key]
+            else:
+                set_id = by_ranks[key] = self._next_id_value()
+            if set_id not in self.ranks:
+                self._install(set_id, pset.ranks, self._build(set_id, pset.ranks))
+                self.objects[set_id] = pset
+            pset.process_set_id = set_id
 
     def _check_dynamic(self, what: str) -> None:
         if not self.parts.cfg.dynamic_process_sets:
@@ -279,6 +298,7 @@ class ProcessSetRegistry:
                     state.close(0)
                 raise
         pset.process_set_id = set_id
+        self.objects[set_id] = pset
         return pset
 
     def remove(self, pset: ProcessSet) -> bool:
@@ -295,6 +315,7 @@ class ProcessSetRegistry:
                 return False
             self._change(f"{name}.remove", lambda: self._uninstall(set_id))
         pset.process_set_id = None
+        self.objects.pop(set_id, None)
         return True
 
     def _change(self, name: str, change: Callable[[], None]) -> None:

@@ -91,12 +91,14 @@ class Runtime:
         self.recording = Recording(topology.rank, cfg.timeline_max_bytes)
         self.hooks = CompletionHooks(self._complete, self._complete_many, self._explain)
         self.sets: Optional[ProcessSetRegistry] = None
+        self.overrides: Dict[str, object] = {}  # init()'s knob arguments
+        self.tuned = None  # the autotuner's settled Candidate, once it settled
 
     # -- life cycle --------------------------------------------------------------
 
     @classmethod
     def build(cls, environ: Optional[Mapping[str, str]] = None, process_sets=(),
-              generation: int = 1, **overrides) -> "Runtime":
+              generation: int = 1, carried=None, **overrides) -> "Runtime":
         """Bootstrap from ``environ`` and wire every part; no thread runs yet.
 
         Collective: every rank builds its runtime at the same point (the global
@@ -109,6 +111,8 @@ class Runtime:
             generation: this runtime's number in the process; successive
                 runtimes of a job must use increasing numbers (their store keys
                 live apart under ``gen<N>/``).
+            carried: what an elastic re-form carries over from the previous
+                runtime (:class:`~.elastic.carry.Carry`): timeline, tuning.
             **overrides: knob values by config field name.
 
         Raises:
@@ -123,8 +127,9 @@ class Runtime:
         topology, rendezvous = bootstrap.detect(environ, cfg.start_timeout)
         configure_logging(cfg.log_level_number, topology.rank)
         runtime = cls(cfg, topology, rendezvous, generation)
+        runtime.overrides = dict(overrides)
         try:
-            runtime._wire(environ, list(process_sets or ()))
+            runtime._wire(environ, list(process_sets or ()), carried)
         except BaseException:
             runtime.close()
             raise
@@ -134,9 +139,9 @@ class Runtime:
             os.environ.update(horovod_variables(topology))
         return runtime
 
-    def _wire(self, environ: Mapping[str, str], process_sets: list) -> None:
+    def _wire(self, environ: Mapping[str, str], process_sets: list, carried=None) -> None:
         from . import mpi_plane, shm_plane
-        from .elastic.protocol import store_prefix
+        from .elastic.protocol import ENV_GENERATION, ENV_WORKER, store_prefix
 
         cfg, topology, rendezvous = self.config, self.topology, self.rendezvous
         # elastic: the launcher's generation names the keys, else this runtime's.
@@ -170,11 +175,39 @@ class Runtime:
         # before the background thread starts cycling.
         self.sets.register_static(process_sets)
         if cfg.autotune:
-            self.autotuner = autotune.build(cfg, topology.rank,
-                                            self.sets.states[0].controller.control.broadcast,
-                                            self.settings)
-        if cfg.timeline:
+            broadcast = self.sets.states[0].controller.control.broadcast
+            self.autotuner = autotune.build(cfg, topology.rank, broadcast, self.settings)
+            if environ.get(ENV_WORKER):
+                self._agree_tuning(broadcast, carried)
+        if carried is not None and carried.timeline_request is not None:
+            self.recording.adopt(carried.timeline_request, carried.timeline,
+                                  int(environ.get(ENV_GENERATION, "0") or 0))
+        elif cfg.timeline:
             self.recording.open(cfg.timeline, cfg.timeline_mark_cycles)
+
+    def _agree_tuning(self, broadcast, carried) -> None:
+        """Elastic jobs: every rank takes rank 0's tuning from the previous generation.
+
+        Rank 0 is a survivor whenever there is one. A settled result is kept
+        (no rank tunes again); a search in progress goes on from rank 0's
+        current candidate (rank 0 keeps its samples). Newcomers follow.
+        """
+        payload = b"-"  # nothing carried (an empty payload cannot be broadcast)
+        if self.topology.rank == 0 and carried is not None and carried.tuning is not None:
+            candidate, settled, _ = carried.tuning
+            payload = candidate.encode(settled)
+        payload = broadcast(payload)
+        if payload == b"-":
+            return
+        candidate, settled = autotune.Candidate.decode(payload)
+        self.settings.apply(candidate)
+        if settled:
+            self.autotuner, self.tuned = None, candidate
+            return
+        self.autotuner.current = candidate
+        search = carried.tuning[2] if carried is not None and carried.tuning else None
+        if self.topology.rank == 0 and search is not None:
+            self.autotuner.search = search
 
     def start(self) -> "Runtime":
         """Start the threads: health watcher, completion threads, timeline writer,
@@ -200,7 +233,12 @@ class Runtime:
 
     def _logged_store(self) -> generation_keys.KeyLog:
         """A new connection to this generation's keys, remembering those written."""
-        log = generation_keys.KeyLog(self.job_store.connect(), self.store_prefix)
+        publish = None
+        if self.store_prefix.startswith("elastic"):  # see elastic/protocol.key_list
+            from .elastic.protocol import key_list
+
+            publish = key_list(self.topology.rank, len(self._key_logs))
+        log = generation_keys.KeyLog(self.job_store.connect(), self.store_prefix, publish)
         self._key_logs.append(log)
         return log
 
@@ -491,7 +529,8 @@ class Runtime:
             if set_id == 0 and self.sets.has_changes():
                 changes = self.sets.take_changes(result.work)
             if set_id == 0 and self.autotuner is not None and self.autotuner.cycle(result.work):
-                self.autotuner = None  # settled: every rank keeps the chosen settings
+                # settled: every rank keeps the chosen settings
+                self.tuned, self.autotuner = self.autotuner.settled, None
             state.executor.execute(result.work)
         if changes:
             for apply in changes:

@@ -43,6 +43,7 @@ timeline never fills a disk.
 from __future__ import annotations
 
 import json
+import os
 import queue
 import threading
 import time
@@ -69,6 +70,10 @@ def check_max_bytes(max_bytes, what: str = "max_bytes") -> int:
     return max_bytes
 
 
+class _NotATimeline(OSError):
+    """The file to continue is not a complete timeline."""
+
+
 class Timeline:
     """An open timeline file; thread-safe (events come from several threads).
 
@@ -77,19 +82,30 @@ class Timeline:
         mark_cycles: also record an instant at the start of each cycle.
         rank: written into the trace metadata.
         max_bytes: the file never grows past this size (>= ``MIN_MAX_BYTES``).
+        append: continue a complete timeline file already at ``path`` (its
+            closing bracket is replaced by the new events) instead of truncating.
+        origin: the monotonic time of timestamp 0 (default: now).
+        must_append: with ``append``, raise instead of truncating a file that
+            is not a complete timeline.
     """
 
     def __init__(self, path: str, mark_cycles: bool = False, rank: int = 0,
-                 max_bytes: int = DEFAULT_MAX_BYTES):
+                 max_bytes: int = DEFAULT_MAX_BYTES, append: bool = False,
+                 origin: Optional[float] = None, must_append: bool = False):
         self.path = path
         self.mark_cycles = mark_cycles
         self.max_bytes = check_max_bytes(max_bytes)
         self.truncated = False
-        self._file = open(path, "w", encoding="utf-8")
-        self._file.write("[\n")
-        self._written = 2
-        self._first = True
-        self._origin = time.monotonic()
+        self.closed = False
+        self._file = _reopen(path) if append else None
+        if self._file is None and must_append:
+            raise _NotATimeline(path)
+        if self._file is None:
+            self._file = open(path, "w", encoding="utf-8")
+            self._file.write("[\n")
+        self._written = self._file.tell()
+        self._first = self._written <= 2
+        self._origin = time.monotonic() if origin is None else origin
         self._rows: Dict[str, int] = {}
         self._lock = threading.Lock()
         self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
@@ -134,6 +150,7 @@ class Timeline:
 
     def close(self) -> None:
         """Write what is queued, end the JSON array and close the file."""
+        self.closed = True
         self.start()
         self._queue.put(None)
         self._writer.join(30.0)
@@ -255,6 +272,27 @@ class Timeline:
                        finished)
 
 
+def _reopen(path: str):
+    """``path`` opened to continue its JSON array (closing bracket removed), or
+    None when it is not a complete timeline file."""
+    try:
+        f = open(path, "r+", encoding="utf-8")
+    except OSError:
+        return None
+    f.seek(0, os.SEEK_END)
+    size = f.tell()
+    f.seek(max(0, size - 64))
+    tail = f.read()
+    end = tail.rstrip()
+    if size < 2 or not end.endswith("]"):
+        f.close()
+        return None
+    keep = size - len(tail.encode()) + len(end[:-1].rstrip().encode())
+    f.seek(keep)
+    f.truncate()
+    return f
+
+
 def _path_for(path: str, rank: int) -> Optional[str]:
     if "{rank}" in path:
         return path.replace("{rank}", str(rank))
@@ -278,6 +316,9 @@ class Recording:
         self.rank = rank
         self.default_max_bytes = default_max_bytes
         self.timeline: Optional[Timeline] = None
+        # What start_timeline (or the knob) asked for, on every rank (only some
+        # write): an elastic re-form continues it in the next runtime.
+        self.request: Optional[tuple] = None
 
     def recording(self) -> bool:
         return self.timeline is not None
@@ -297,6 +338,7 @@ class Recording:
             max_bytes = self.default_max_bytes
         check_max_bytes(max_bytes, "start_timeline: max_bytes")
         self.close()
+        self.request = (file_path, bool(mark_cycles), max_bytes)
         path = _path_for(file_path, self.rank)
         if path is None:
             return
@@ -312,5 +354,45 @@ class Recording:
     def close(self) -> None:
         """Stop recording and close the file (a no-op when not recording)."""
         timeline, self.timeline = self.timeline, None
+        self.request = None
         if timeline is not None:
             timeline.close()
+
+    def detach(self) -> tuple:
+        """``(request, timeline)``, leaving this slot empty without closing the file
+        (the next runtime of an elastic job adopts them)."""
+        taken = (self.request, self.timeline)
+        self.request, self.timeline = None, None
+        return taken
+
+    def adopt(self, request: Optional[tuple], timeline: Optional[Timeline],
+              generation: int = 0) -> None:
+        """Continue the previous runtime's recording after an elastic re-form.
+
+        A process that was writing a file goes on writing it (same writer, same
+        clock), whatever its new rank. One that was not and now should (it
+        became rank 0) continues the file from its end when it is complete,
+        else -- its writer died mid-way -- starts ``<path>.gen<generation>``.
+        """
+        self.close()
+        self.request = request
+        if timeline is not None and not timeline.closed:
+            self.timeline = timeline
+            return
+        path = _path_for(request[0], self.rank) if request else None
+        if timeline is not None:  # closed by a re-form attempt that failed: reopen it
+            path = timeline.path
+        if path is None:
+            return
+        origin = timeline._origin if timeline is not None else None
+        try:
+            try:
+                self.timeline = Timeline(path, request[1], self.rank, request[2], append=True,
+                                         origin=origin, must_append=os.path.exists(path))
+            except _NotATimeline:
+                self.timeline = Timeline(f"{path}.gen{generation}", request[1], self.rank,
+                                         request[2])
+        except OSError as exc:
+            from .log import logger
+
+            logger.warning("timeline %s not continued after the re-form: %s", path, exc)

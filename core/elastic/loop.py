@@ -58,10 +58,18 @@ def run_fn(func: Callable, reset: Callable[[], None],
 
 
 def reset() -> None:
-    """Leave the current generation and join the launcher's next one (shutdown + init)."""
-    from hvdlike.core import api
+    """Leave the current generation and join the launcher's next one (shutdown + init).
 
-    worker_mod.reset(api.init, api.shutdown)
+    The next runtime continues this one's knobs, process sets, timeline and
+    tuning (:mod:`.carry`).
+    """
+    from hvdlike.core import api, current
+
+    from . import carry as carry_mod
+
+    live = current.SLOT.runtime
+    carried = carry_mod.capture(live) if live is not None else None
+    worker_mod.reset(lambda: carry_mod.resume(carried), api.shutdown)
 
 
 def run(func: Callable) -> Callable:

@@ -39,6 +39,62 @@ def ready_key(number: int, worker: str) -> str:
     return f"elastic/g{number}/ready/{worker}"
 
 
+def generation_prefix(number: int) -> str:
+    """The prefix of generation ``number``'s runtime keys (Gloo, health, ...)."""
+    return f"elastic{number}/"
+
+
+def lost_key(number: int, rank: int) -> str:
+    """Where the launcher reports how rank ``rank`` of generation ``number`` ended.
+
+    It is the key the rank itself would announce its reason under, so the
+    survivors' diagnosis (``Health.diagnose``) names it as soon as it is there.
+    """
+    return f"{generation_prefix(number)}health/shutdown/{rank}"
+
+
+def key_list(rank: int, log: int) -> str:
+    """Under a generation's prefix: the keys rank ``rank``'s ``log``-th store view wrote."""
+    return f"keys/{rank}.{log}"
+
+
+MAX_KEY_LISTS = 8  # store views a runtime opens (it opens two today)
+
+
+def forget_generation(store, number: int) -> int:
+    """Delete what generation ``number`` left in the store; return how many keys.
+
+    Its member table and ready marks, the launcher's reports of lost ranks,
+    and every key its ranks' runtimes wrote (listed by them as they wrote,
+    so a generation that ended in a failure is cleaned as well as one that
+    closed cleanly). Call when no process uses the generation any more: once
+    every member of a later generation has arrived. ``store``: the job store.
+    """
+    import json
+
+    members_key = generation_key(number)
+    if not store.check([members_key]):
+        return 0
+    members = Generation.decode(store.get(members_key))
+    prefix = generation_prefix(number)
+    doomed = [ready_key(number, w) for w in members.members]
+    doomed += [lost_key(number, r) for r in range(members.size)]
+    for rank in range(members.size):
+        for log in range(MAX_KEY_LISTS):
+            name = prefix + key_list(rank, log)
+            if not store.check([name]):
+                break
+            try:
+                doomed.extend(json.loads(store.get(name)))
+            except Exception:  # an unreadable list: delete it, keep the rest
+                doomed.append(name)
+    doomed.append(members_key)  # last: it is what marks the generation as still there
+    deleted = 0
+    for key in dict.fromkeys(doomed):
+        deleted += bool(store.delete_key(key))
+    return deleted
+
+
 def store_prefix(environ: Mapping[str, str], process_generation: int) -> str:
     """The prefix one runtime's keys live under.
 
@@ -48,7 +104,7 @@ def store_prefix(environ: Mapping[str, str], process_generation: int) -> str:
     """
     number = environ.get(ENV_GENERATION)
     if number:
-        return f"elastic{int(number)}/"
+        return generation_prefix(int(number))
     return f"gen{process_generation}/"
 
 

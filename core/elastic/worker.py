@@ -87,7 +87,8 @@ class WorkerContext:
             if clock() > deadline:
                 raise HvdlikeInternalError(
                     f"elastic worker {self.worker}: no new generation after generation "
-                    f"{self.generation} within {self.wait_seconds:g}s")
+                    f"{self.generation} within {self.wait_seconds:g}s (latest published: "
+                    f"{latest})")
             sleep(_POLL_SECONDS)
 
     def enter(self, clock: Callable[[], float] = time.monotonic,
@@ -106,6 +107,12 @@ class WorkerContext:
         """
         deadline = clock() + self.wait_seconds
         while True:
+            latest = self.latest()
+            if latest > self.generation:  # superseded before this process got here
+                if not self.join(self.read(latest)):
+                    logger.info("elastic worker %s is not part of generation %d; leaving",
+                                self.worker, latest)
+                    raise SystemExit(0)
             number = self.generation
             members = self.read(number).members
             self.store.set(protocol.ready_key(number, self.worker), b"1")
@@ -122,11 +129,27 @@ class WorkerContext:
                         f"{', '.join(missing)} did not arrive within {self.wait_seconds:g}s")
                 sleep(_POLL_SECONDS)
             else:
+                self._forget_older(number)
                 return
             if not self.join(self.read(latest)):
                 logger.info("elastic worker %s is not part of generation %d; leaving",
                             self.worker, latest)
                 raise SystemExit(0)
+
+    def _forget_older(self, number: int) -> None:
+        """Rank 0 of a generation every member has entered deletes the earlier
+        generations' keys (nobody uses them any more), newest first, down to the
+        first one already gone."""
+        from hvdlike.core import bootstrap
+
+        if self.environ.get(bootstrap.ENV_RANK) != "0":
+            return
+        older = number - 1
+        try:
+            while older >= 1 and protocol.forget_generation(self.store, older):
+                older -= 1
+        except Exception as exc:  # tidiness only: never fail a re-form over it
+            logger.debug("keys of generation %d left in the store: %s", older, exc)
 
     def join(self, generation: protocol.Generation) -> bool:
         """Take this process's place in ``generation``; False if it is not a member."""

@@ -189,6 +189,7 @@ class ElasticDriver:
             return
         # A rank that is not a process (a Ray actor) says itself why it ended.
         reason = getattr(worker, "exit_reason", None) or describe_exit(code, worker.remote)
+        self._report_lost(worker.rank, reason)
         self.result.lost.append(Lost(worker.rank, worker_id, worker.host, reason, self.generation))
         if self._finishing or self.result.interrupted:
             return
@@ -198,6 +199,18 @@ class ElasticDriver:
         self.output.note(f"rank {worker.rank} on host {worker.host} {reason}; host "
                          f"{worker.host} blacklisted {back}; re-forming")
         self._schedule_reform()
+
+    def _report_lost(self, rank: int, reason: str) -> None:
+        """Tell the survivors at once how the rank ended, unless it said so itself.
+
+        Their diagnosis reads it instead of waiting for its heartbeat to stop.
+        """
+        key = protocol.lost_key(self.generation, rank)
+        try:
+            if not self.store.check([key]):
+                self.store.set(key, f"{reason} (seen by hvdlike-run)")
+        except Exception as exc:  # the survivors' diagnosis falls back to heartbeats
+            self.output.note(f"could not report rank {rank}'s end to its peers: {exc}")
 
     def _hosts_matter(self) -> bool:
         """Whether the new host list calls for a re-form."""

@@ -9,6 +9,9 @@ Faults, one-shot, from ``ELASTIC_FAULTS`` (comma separated
 ``WORKER:STEP:KIND``): when the worker reaches STEP committed steps it raises
 (``raise``) or SIGKILLs itself (``kill``). ``ELASTIC_STEP_SECONDS`` slows every
 step; ``ELASTIC_PROGRESS`` names a file the rank 0 writes its step count to.
+``ELASTIC_PROCESS_SETS`` (``0,1;2,3``) are static process sets given to
+``init()``; the GEN line then shows each set's id and the sum of the global
+ranks of its members, computed by an allreduce on the set (``sets=``).
 """
 
 import os
@@ -29,8 +32,11 @@ for spec in filter(None, os.environ.get("ELASTIC_FAULTS", "").split(",")):
     worker, step, kind = spec.split(":")
     FAULTS.setdefault(worker, []).append((int(step), kind))
 
+SETS = [hvd.ProcessSet([int(r) for r in spec.split(",")])
+        for spec in filter(None, os.environ.get("ELASTIC_PROCESS_SETS", "").split(";"))]
+
 torch.set_num_threads(1)
-hvd.init()
+hvd.init(process_sets=SETS)
 torch.manual_seed(0)
 model = torch.nn.Linear(4, 1)
 optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
@@ -57,6 +63,18 @@ def checksum():
                                                    for p in model.parameters()]).tolist())
 
 
+def process_sets():
+    """``id:ranks:sum`` per static set (sum over its members by an allreduce on it)."""
+    shown = []
+    for pset in SETS:
+        total = "-"
+        if pset.process_set_id is not None and pset.included():
+            total = int(hvd.allreduce(torch.tensor([float(hvd.rank())]), op=hvd.Sum,
+                                      process_set=pset, name=f"set{pset.process_set_id}").item())
+        shown.append(f"{pset.process_set_id}:{'-'.join(map(str, pset.ranks))}:{total}")
+    return ",".join(shown)
+
+
 def optimizer_checksum():
     total = 0.0
     for group in optimizer.state_dict()["state"].values():
@@ -69,7 +87,8 @@ def train(state):
     generation = os.environ.get("HVDLIKE_ELASTIC_GENERATION", "0")
     say(f"GEN worker={WORKER} gen={generation} rank={hvd.rank()} size={hvd.size()} "
         f"steps={state.steps} "
-        f"params={checksum()} optimizer={optimizer_checksum()} at={time.time():.3f}")
+        f"params={checksum()} optimizer={optimizer_checksum()} at={time.time():.3f} "
+        f"sets={process_sets()}")
     while state.epoch < EPOCHS:
         while state.batch < BATCHES:
             inject(state.steps)

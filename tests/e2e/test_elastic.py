@@ -16,7 +16,7 @@ import time
 from .conftest import ROOT, finish, kill_session, launcher_env, run, start
 
 TRAIN = os.path.join(ROOT, "tests", "e2e", "elastic_train.py")
-EPOCHS, BATCHES = 3, 8
+EPOCHS, BATCHES = 2, 6
 
 
 def _env(**extra):
@@ -52,12 +52,12 @@ def _assert_generations_agree(out):
         assert len({row[1:] for row in rows}) == 1, (gen, rows)  # 'at=' is not captured
 
 
-def _assert_finished(out, workers, size):
+def _assert_finished(out, workers, size, steps=EPOCHS * BATCHES):
     done = _done(out)
     assert sorted(done) == sorted(workers), out
     assert sorted(rank for rank, _, _, _ in done.values()) == list(range(size))
     assert {s for _, s, _, _ in done.values()} == {size}
-    assert {steps for _, _, steps, _ in done.values()} == {EPOCHS * BATCHES}, out
+    assert {n for _, _, n, _ in done.values()} == {steps}, out
     assert len({params for _, _, _, params in done.values()}) == 1, out
     _assert_generations_agree(out)
 
@@ -66,10 +66,14 @@ def test_rank_raising_shrinks_the_job_from_4_to_2(marker):
     code, out, err, _ = run(
         ["-np", "4", "--min-np", "2", "--max-np", "4", "--reset-limit", "1",
          "-H", "127.0.0.1:2,127.0.0.2:2", sys.executable, TRAIN, str(marker)],
-        timeout=180, env=_env(ELASTIC_FAULTS="w3:5:raise"))
+        timeout=180, env=_env(ELASTIC_FAULTS="w3:5:raise", ELASTIC_PROCESS_SETS="0,1;2,3"))
     assert code == 0, err
     _assert_finished(out, ["w0", "w1"], 2)
     assert _trained_sizes(out, "w0") == [4, 2]
+    # static process sets: registered again after the re-form with the same id; the set of
+    # ranks 2 and 3, which the job of 2 no longer has, is invalid (id None), as in Horovod
+    assert re.findall(r"GEN worker=w1 gen=\d+ .* sets=(\S+)", out) == [
+        "1:0-1:1,2:2-3:-", "1:0-1:1,None:2-3:-"], out
     assert "sizes 4 -> 2" in err
     assert "lost rank 3 (generation 1) on host 127.0.0.2: exited with code 1" in err
     assert "injected failure of w3 at step 5" in err
@@ -127,9 +131,10 @@ def test_blacklisted_host_comes_back_after_its_cooldown(marker):
     code, out, err, _ = run(
         ["-np", "2", "--min-np", "1", "--max-np", "2", "--blacklist-cooldown-range", "2", "3",
          "-H", "127.0.0.1:1,127.0.0.2:1", sys.executable, TRAIN, str(marker)],
-        timeout=180, env=_env(ELASTIC_FAULTS="w1:3:raise", ELASTIC_STEP_SECONDS="0.5"))
+        timeout=180, env=_env(ELASTIC_FAULTS="w1:3:raise", ELASTIC_STEP_SECONDS="0.5",
+                              ELASTIC_EPOCHS="3", ELASTIC_BATCHES="8"))  # time to come back
     assert code == 0, err
-    _assert_finished(out, ["w0", "w2"], 2)
+    _assert_finished(out, ["w0", "w2"], 2, steps=3 * 8)
     assert _trained_sizes(out, "w0") == [2, 1, 2], out
     assert "host 127.0.0.2 blacklisted for " in err
     assert "sizes 2 -> 1 -> 2" in err
@@ -144,7 +149,7 @@ def test_hosts_added_then_removed_grow_and_shrink_the_job(marker):
     progress = marker / "progress"
     proc = start(["-np", "2", "--min-np", "2", "--max-np", "4", "--host-discovery-script",
                   str(script), sys.executable, TRAIN, str(marker)],
-                 env=_env(ELASTIC_STEP_SECONDS="0.25", ELASTIC_BATCHES="10",
+                 env=_env(ELASTIC_STEP_SECONDS="0.25", ELASTIC_EPOCHS="3", ELASTIC_BATCHES="10",
                           ELASTIC_PROGRESS=str(progress)))
     try:
         _wait_progress(progress, lambda steps, size: steps >= 3, proc)
@@ -157,7 +162,7 @@ def test_hosts_added_then_removed_grow_and_shrink_the_job(marker):
     assert code == 0, err
     done = _done(out)
     assert sorted(done) == ["w0", "w1"], out
-    assert {steps for _, _, steps, _ in done.values()} == {EPOCHS * 10}, out
+    assert {steps for _, _, steps, _ in done.values()} == {3 * 10}, out
     assert len({params for _, _, _, params in done.values()}) == 1
     _assert_generations_agree(out)
     assert _trained_sizes(out, "w0") == [2, 4, 2], out

@@ -25,7 +25,7 @@ def test_host_added_then_its_rank_sigkilled(netns_cluster, marker):
     batches = 10
     proc = start(["-np", "2", "--min-np", "2", "--max-np", "4", "--host-discovery-script",
                   str(script), *c.ssh_options(), sys.executable, TRAIN, str(marker)],
-                 env=_env(ELASTIC_STEP_SECONDS="0.25", ELASTIC_BATCHES=str(batches),
+                 env=_env(ELASTIC_STEP_SECONDS="0.25", ELASTIC_EPOCHS="3", ELASTIC_BATCHES=str(batches),
                           ELASTIC_PROGRESS=str(progress), ELASTIC_FAULTS="w3:16:kill"))
     try:
         _wait_progress(progress, lambda steps, size: steps >= 2, proc)
@@ -60,7 +60,7 @@ def test_partitioned_host_is_dropped_and_the_others_finish(netns_cluster, marker
     batches = 10
     proc = start(["-np", "3", "--min-np", "2", "-H", f"{c.ips[0]}:2,{c.ips[1]}:1",
                   *c.ssh_options(), sys.executable, TRAIN, str(marker)],
-                 env=_env(ELASTIC_STEP_SECONDS="0.2", ELASTIC_BATCHES=str(batches),
+                 env=_env(ELASTIC_STEP_SECONDS="0.2", ELASTIC_EPOCHS="3", ELASTIC_BATCHES=str(batches),
                           ELASTIC_PROGRESS=str(progress), HVDLIKE_GLOO_TIMEOUT_SECONDS="8"))
     link = f"hvv{c.tag}2"  # the second host's cable into the bridge
     try:
