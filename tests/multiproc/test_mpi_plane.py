@@ -122,35 +122,50 @@ def test_training_on_mpi_matches_one_process_on_the_whole_batch():
         assert gap < 1e-5
 
 
-def _mixed():
+def _mixed(cases):
+    import os
+
     import torch
 
     import hvdlike.torch as hvd
 
-    hvd.init()
-    engines, control, cpu = _engines()
-    total = hvd.allreduce(torch.tensor([hvd.rank() + 1.0]), op=hvd.Sum).item()
-    handles = [hvd.allreduce_async(torch.ones(3) * i, name=f"m{i}", op=hvd.Sum) for i in range(20)]
-    fused = all(hvd.synchronize(h).tolist() == [2.0 * i] * 3 for i, h in enumerate(handles))
-    hvd.barrier()
-    hvd.shutdown()
-    return engines, control, cpu, total, fused
+    out = []
+    for env in cases:  # one mpirun job, one init/shutdown per choice of knobs
+        os.environ.update(env)
+        hvd.init()
+        engines, control, cpu = _engines()
+        total = hvd.allreduce(torch.tensor([hvd.rank() + 1.0]), op=hvd.Sum).item()
+        handles = [hvd.allreduce_async(torch.ones(3) * i, name=f"m{i}", op=hvd.Sum)
+                   for i in range(20)]
+        fused = all(hvd.synchronize(h).tolist() == [2.0 * i] * 3 for i, h in enumerate(handles))
+        hvd.barrier()
+        hvd.shutdown()
+        for key in env:
+            del os.environ[key]
+        out.append((engines, control, cpu, total, fused))
+    return out
 
 
 # A plane left to "gloo" runs on shared memory when the set's ranks share a host
 # (HVDLIKE_SHM, on by default), on Gloo's sockets otherwise.
-@pytest.mark.parametrize("env,expected", [
+KNOB_CASES = [
     ({"HVDLIKE_CPU_OPERATIONS": "gloo"}, (("mpi", "gloo"), "MpiControlPlane", "ShmDataGroup")),
     ({"HOROVOD_CONTROLLER": "gloo"}, (("gloo", "mpi"), "ShmControlPlane", "MpiDataGroup")),
     ({"HVDLIKE_CONTROLLER": "gloo", "HVDLIKE_CPU_OPERATIONS": "gloo"},
      (("gloo", "gloo"), "ShmControlPlane", "ShmDataGroup")),
     ({"HVDLIKE_CONTROLLER": "gloo", "HVDLIKE_CPU_OPERATIONS": "gloo", "HVDLIKE_SHM": "0"},
      (("gloo", "gloo"), "GlooControlPlane", "ProcessGroupGloo")),
-])
-def test_engine_knobs_choose_each_plane(env, expected):
-    for engines, control, cpu, total, fused in run_mpirun(_mixed, np=2, env=env, timeout=120):
-        assert (engines, control, cpu) == expected
-        assert total == 3.0 and fused
+]
+
+
+def test_engine_knobs_choose_each_plane():
+    cases = [env for env, _ in KNOB_CASES]
+    for rank_results in run_mpirun(_mixed, np=2, args=(cases,), timeout=150):
+        assert len(rank_results) == len(KNOB_CASES)
+        for (env, expected), (engines, control, cpu, total, fused) in zip(KNOB_CASES,
+                                                                          rank_results):
+            assert (engines, control, cpu) == expected, env
+            assert total == 3.0 and fused, env
 
 
 def _process_sets():
