@@ -26,7 +26,7 @@ and Adasum's point-to-point traffic stay on the set's flat Gloo group.
 
 Like :class:`~.shm_plane.ShmDataGroup`, :class:`HierarchicalGroup` offers the
 slice of the ``ProcessGroup`` interface the executor uses; its work objects
-run the three phases in ``wait()`` on the executor's finisher thread, in the
+run the three phases in ``wait()`` on the thread that launches them, in the
 launch order every member shares, and record the phases for the timeline
 (``SHM_REDUCE``, ``GLOO_CROSS_ALLREDUCE``, ``SHM_BROADCAST``...).
 """
@@ -60,7 +60,9 @@ class _Work:
     """Runs the phases in ``wait()``; ``phases`` lists ``(name, start, end)`` afterwards."""
 
     __slots__ = ("_run", "_done", "phases")
-    inline = False
+    # Run by the launching thread in launch order, like the shared-memory plane's
+    # (the leaders' Gloo phase blocks it only for the length of the transfer).
+    inline = True
     engine = "HIER"
 
     def __init__(self, run: Callable[[List[tuple]], None]):

@@ -99,10 +99,13 @@ def allreduce_sizes(hvd, cfg) -> dict:
     for nbytes in cfg["sizes"]:
         a = torch.ones(nbytes // 4)
         b = torch.ones(nbytes // 4)
+        src, dst = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
         name = f"bench.allreduce.{nbytes}"
         contenders = {
             "hvdlike": timed(lambda: hvd.allreduce_(a, op=hvd.Sum, name=name)),
             "gloo": timed(lambda: dist.all_reduce(b)),
+            # The physical floor inside a host: one copy of the same bytes.
+            "memcpy": timed(lambda: dst.copy_(src)),
         }
         big = nbytes >= 16 * MIB
         samples = alternate(contenders, cfg["reps"], max(3, cfg["steps"] // 2) if big else
