@@ -60,6 +60,15 @@ def _train(batches):
     after = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     # and a second join with equal data reports some rank
     again = hvd.join()
+    # With rank 0 joined, an Average is the others' sum over 3, correctly rounded:
+    # 142 / 3 and 130 / 3 come out one unit in the last place off as 142 * (1/3).
+    probe = torch.tensor([71.0, 65.0, 75.0])
+    exact = None
+    if r == 0:
+        hvd.join()
+    else:
+        exact = torch.equal(hvd.allreduce(probe, name="join.average"), probe * 2 / 3)
+        hvd.join()
 
     # A DistributedOptimizer within a process set: ranks 0 and 2 train, rank 1 does not.
     pair_diff = None
@@ -85,7 +94,7 @@ def _train(batches):
     hvd.barrier()  # shutdown stops every rank: rank 1 waits for the pair to finish
     hvd.shutdown()
     return {"last": last, "diff": float((params - expected).abs().max()), "params": params,
-            "after": after, "again": again, "pair_diff": pair_diff}
+            "after": after, "again": again, "pair_diff": pair_diff, "exact": exact}
 
 
 def test_join_with_uneven_batches_finishes_and_matches_the_oracle():
@@ -99,3 +108,4 @@ def test_join_with_uneven_batches_finishes_and_matches_the_oracle():
         assert out["again"] in range(3)
     assert results[0]["pair_diff"] < 1e-6 and results[2]["pair_diff"] < 1e-6
     assert results[1]["pair_diff"] is None
+    assert [out["exact"] for out in results] == [None, True, True]
