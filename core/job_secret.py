@@ -20,7 +20,8 @@ class StoreTamperedError(HvdlikeInternalError):
     def __init__(self, key: str, why: str):
         super().__init__(
             f"the rendezvous store was tampered with: key {key!r} {why}; the value was "
-            "not used (someone without the job secret wrote into the job's store)")
+            "not used (someone without the job secret -- or, in an elastic job, without "
+            "this generation's key -- wrote into the job's store)")
         self.key = key
 
 

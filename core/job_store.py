@@ -74,6 +74,9 @@ class JobStore:
         # keeps only the C++ half of a Python store alive, and the Python half
         # must outlive them for its methods to be found.
         self._views = []
+        # An elastic generation's key (see elastic/protocol.py): set, every
+        # connection MACs with it as well as with the job secret.
+        self.generation_key: Optional[bytes] = None
 
     def connect(self) -> AuthenticatedStore:
         """A new authenticated connection (the first call of the hosting rank serves).
@@ -89,7 +92,8 @@ class JobStore:
         if topo.size == 1 and not rdzv.addr:
             if self._local is None:
                 self._local = dist.HashStore()
-            return self._keep(AuthenticatedStore(self._local, secret))
+            return self._keep(AuthenticatedStore(self._local, secret,
+                                                 generation_key=self.generation_key))
         try:
             if rdzv.host_store and topo.rank == 0 and self._server is None:
                 self._server, _ = serve(rdzv.addr, rdzv.port, topo.size, timeout)
@@ -102,7 +106,7 @@ class JobStore:
                 f"rank {topo.rank} could not reach the rendezvous store at "
                 f"{rdzv.addr}:{rdzv.port} within {self.timeout_seconds:g}s "
                 f"({rdzv.launcher}): {exc}") from None
-        return self._keep(AuthenticatedStore(raw, secret))
+        return self._keep(AuthenticatedStore(raw, secret, generation_key=self.generation_key))
 
     def _keep(self, view: AuthenticatedStore) -> AuthenticatedStore:
         self._views.append(view)

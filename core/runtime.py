@@ -152,6 +152,9 @@ class Runtime:
         # elastic: the launcher's generation names the keys, else this runtime's.
         self.store_prefix = store_prefix(environ, self.generation)
         self.job_store = JobStore(topology, rendezvous, cfg.start_timeout)
+        from .elastic.worker import generation_key
+
+        self.job_store.generation_key = generation_key(environ)  # elastic: this generation's
         self.store = self._logged_store()
         local_addr = rendezvous.gloo_iface
         if not local_addr:

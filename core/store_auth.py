@@ -12,6 +12,12 @@ the store. The secret only keys two one-way derivations:
   every read, so a value is bound to the exact key (which carries the
   generation, the process set and the record's name) and to the job.
 
+An elastic job's generations each have a random key of their own, which the
+launcher hands only to that generation's members (:mod:`.elastic.protocol`):
+the runtime keys of a generation are MACed with it too, so a process removed
+from the job -- which still knows the job secret -- cannot write anything a
+later generation accepts.
+
 A value that is unsigned, truncated, oversized, forged, or copied from another
 key, generation or job raises :class:`StoreTamperedError` naming the key; it is
 never returned. Gloo's own rendezvous records (peer addresses) go through the
@@ -57,12 +63,24 @@ class AuthenticatedStore(dist.Store):
         max_value_bytes: values longer than this are refused on read.
     """
 
-    def __init__(self, inner, secret: str, max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES):
+    def __init__(self, inner, secret: str, max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES,
+                 generation_key: Optional[bytes] = None):
         super().__init__()
         self._inner = inner
+        self._secret = secret
         self._prefix = key_prefix(secret)
         self._mac_key = derive(secret, "value mac")
+        if generation_key is not None:
+            # An elastic generation's view: only holders of the generation's
+            # key (its members and the launcher) can write what it reads.
+            self._mac_key = hmac.new(self._mac_key, b"generation\0" + generation_key,
+                                     hashlib.sha256).digest()
         self.max_value_bytes = max_value_bytes
+
+    def for_generation(self, generation_key: Optional[bytes]) -> "AuthenticatedStore":
+        """A view of the same connection whose values are MACed with an elastic
+        generation's key as well as the job secret (None: the job's view)."""
+        return AuthenticatedStore(self._inner, self._secret, self.max_value_bytes, generation_key)
 
     # -- helpers ---------------------------------------------------------------------
 

@@ -117,4 +117,5 @@ def rank_environment(
 
 def redact(env: Mapping[str, str]) -> Dict[str, str]:
     """A copy of ``env`` safe to print: the job secret is masked."""
-    return {k: ("<hidden>" if k == ENV_JOB_SECRET else v) for k, v in env.items()}
+    hidden = (ENV_JOB_SECRET, "HVDLIKE_ELASTIC_WORKER_SECRET")
+    return {k: ("<hidden>" if k in hidden else v) for k, v in env.items()}

@@ -17,13 +17,19 @@ The store is the job's own (a ``JobStore`` connection on the ranks,
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import hmac
 import json
+import secrets
 from typing import Dict, Mapping, Optional
 
 # Set by the launcher on every rank of an elastic job.
 ENV_GENERATION = "HVDLIKE_ELASTIC_GENERATION"
 ENV_WORKER = "HVDLIKE_ELASTIC_WORKER"
 ENV_TIMEOUT = "HVDLIKE_ELASTIC_TIMEOUT"
+# The process's own secret, from the launcher at spawn (like the job secret,
+# on the rank's stdin, never on a command line): its generation keys are sealed with it.
+ENV_WORKER_SECRET = "HVDLIKE_ELASTIC_WORKER_SECRET"
 
 LATEST_KEY = "elastic/latest"
 
@@ -33,6 +39,53 @@ TOPOLOGY_FIELDS = ("rank", "size", "local_rank", "local_size", "cross_rank", "cr
 
 def generation_key(number: int) -> str:
     return f"elastic/g{number}/members"
+
+
+def seat_key(number: int, worker: str) -> str:
+    """Where ``worker`` finds generation ``number``'s key, sealed for it alone."""
+    return f"elastic/g{number}/seat/{worker}"
+
+
+def _pad(worker_secret: str, number: int, worker: str) -> bytes:
+    return hmac.new(worker_secret.encode(), f"seat {number} {worker}".encode(),
+                    hashlib.sha256).digest()
+
+
+def seal_key(worker_secret: str, number: int, worker: str, key: bytes) -> bytes:
+    """Generation ``number``'s ``key`` (32 bytes) for ``worker``: XORed with a pad only
+    the worker's secret gives (each pad seals one key once), then MACed with it."""
+    body = bytes(a ^ b for a, b in zip(key, _pad(worker_secret, number, worker)))
+    tag = hmac.new(worker_secret.encode(), b"seal\0" + str(number).encode() + b"\0" +
+                   worker.encode() + b"\0" + body, hashlib.sha256).digest()
+    return body + tag
+
+
+def open_key(worker_secret: str, number: int, worker: str, sealed: bytes) -> bytes:
+    """The key :func:`seal_key` sealed; raises ``StoreTamperedError`` if it was not
+    sealed for this worker and generation with this secret."""
+    from hvdlike.core.store_auth import StoreTamperedError
+
+    body, tag = sealed[:32], sealed[32:]
+    expected = hmac.new(worker_secret.encode(), b"seal\0" + str(number).encode() + b"\0" +
+                        worker.encode() + b"\0" + body, hashlib.sha256).digest()
+    if len(sealed) != 64 or not hmac.compare_digest(tag, expected):
+        raise StoreTamperedError(seat_key(number, worker),
+                                 "holds a generation key not sealed for this process")
+    return bytes(a ^ b for a, b in zip(body, _pad(worker_secret, number, worker)))
+
+
+def publish(store, generation: "Generation", worker_secrets: Mapping[str, str]) -> bytes:
+    """Write generation ``generation`` (not yet :data:`LATEST_KEY`): a fresh random key
+    sealed for each member, then the member table MACed with that key.
+
+    ``store``: the job's authenticated store; returns the generation's key.
+    """
+    key = secrets.token_bytes(32)
+    for worker in generation.members:
+        store.set(seat_key(generation.number, worker),
+                  seal_key(worker_secrets[worker], generation.number, worker, key))
+    store.for_generation(key).set(generation_key(generation.number), generation.encode())
+    return key
 
 
 def ready_key(number: int, worker: str) -> str:
@@ -61,23 +114,29 @@ def key_list(rank: int, log: int) -> str:
 MAX_KEY_LISTS = 8  # store views a runtime opens (it opens two today)
 
 
-def forget_generation(store, number: int) -> int:
+def forget_generation(store, number: int, view=None) -> int:
     """Delete what generation ``number`` left in the store; return how many keys.
 
-    Its member table and ready marks, the launcher's reports of lost ranks,
-    and every key its ranks' runtimes wrote (listed by them as they wrote,
-    so a generation that ended in a failure is cleaned as well as one that
-    closed cleanly). Call when no process uses the generation any more: once
-    every member of a later generation has arrived. ``store``: the job store.
+    Its member table, sealed keys and ready marks, the launcher's reports of
+    lost ranks, and every key its ranks' runtimes wrote (listed by them as
+    they wrote, so a generation that ended in a failure is cleaned as well as
+    one that closed cleanly). Call when no process uses the generation any
+    more: once every member of a later generation has arrived.
+
+    Args:
+        store: the job store (deleting needs no key).
+        view: the generation's view (its key), to read the member table and
+            key lists; None when the caller was not a member: nothing is deleted.
     """
     import json
 
     members_key = generation_key(number)
-    if not store.check([members_key]):
+    if view is None or not store.check([members_key]):
         return 0
-    members = Generation.decode(store.get(members_key))
+    members = Generation.decode(view.get(members_key))
     prefix = generation_prefix(number)
     doomed = [ready_key(number, w) for w in members.members]
+    doomed += [seat_key(number, w) for w in members.members]
     doomed += [lost_key(number, r) for r in range(members.size)]
     for rank in range(members.size):
         for log in range(MAX_KEY_LISTS):
@@ -85,7 +144,7 @@ def forget_generation(store, number: int) -> int:
             if not store.check([name]):
                 break
             try:
-                doomed.extend(json.loads(store.get(name)))
+                doomed.extend(json.loads(view.get(name)))
             except Exception:  # an unreadable list: delete it, keep the rest
                 doomed.append(name)
     doomed.append(members_key)  # last: it is what marks the generation as still there

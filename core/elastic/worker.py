@@ -32,9 +32,11 @@ class WorkerContext:
         self.worker = self.environ.get(protocol.ENV_WORKER, "")
         self.generation = int(self.environ.get(protocol.ENV_GENERATION, "0") or 0)
         self.wait_seconds = float(self.environ.get(protocol.ENV_TIMEOUT, DEFAULT_WAIT_SECONDS))
+        self.worker_secret = self.environ.get(protocol.ENV_WORKER_SECRET, "")
         self._connect = connect or self._connect_job_store
         self._store = None
         self._job_store = None
+        self._keys = {}  # generation number -> its key (generations this process was in)
 
     @property
     def enabled(self) -> bool:
@@ -63,8 +65,44 @@ class WorkerContext:
             return self.generation
         return int(self.store.get(protocol.LATEST_KEY).decode())
 
+    def key(self, number: int) -> Optional[bytes]:
+        """Generation ``number``'s key, unsealed with this process's secret; None when
+        the launcher gave no secret (no per-generation keys) or this process has no
+        seat in that generation.
+
+        Raises:
+            StoreTamperedError: the seat was not sealed for this process.
+        """
+        if not self.worker_secret:
+            return None
+        if number not in self._keys:
+            seat = protocol.seat_key(number, self.worker)
+            deadline = time.monotonic() + self.wait_seconds
+            while not self.store.check([seat]):
+                # Seats are written before the generation is announced as latest:
+                # once it is, no seat means none for this process.
+                if self.latest() >= number or time.monotonic() > deadline:
+                    return None
+                time.sleep(_POLL_SECONDS)
+            self._keys[number] = protocol.open_key(self.worker_secret, number, self.worker,
+                                                   self.store.get(seat))
+        return self._keys[number]
+
+    def view(self, number: int):
+        """The store as generation ``number`` sees it (MACed with its key), or None
+        when this process has no seat in it."""
+        if not self.worker_secret:
+            return self.store
+        key = self.key(number)
+        return None if key is None else self.store.for_generation(key)
+
     def read(self, number: int) -> protocol.Generation:
-        return protocol.Generation.decode(self.store.get(protocol.generation_key(number)))
+        """Generation ``number``'s member table (empty when this process has no seat:
+        it is not a member, and cannot read the table)."""
+        view = self.view(number)
+        if view is None:
+            return protocol.Generation(number, {})
+        return protocol.Generation.decode(view.get(protocol.generation_key(number)))
 
     def wait_for_newer(self, clock: Callable[[], float] = time.monotonic,
                        sleep: Callable[[float], None] = time.sleep) -> protocol.Generation:
@@ -115,7 +153,12 @@ class WorkerContext:
                     raise SystemExit(0)
             number = self.generation
             members = self.read(number).members
-            self.store.set(protocol.ready_key(number, self.worker), b"1")
+            if self.worker not in members:
+                logger.info("elastic worker %s has no seat in generation %d; leaving",
+                            self.worker, number)
+                raise SystemExit(0)
+            view = self.view(number)
+            view.set(protocol.ready_key(number, self.worker), b"1")
             keys = [protocol.ready_key(number, w) for w in members]
             while not self.store.check(keys):
                 latest = self.latest()
@@ -129,6 +172,8 @@ class WorkerContext:
                         f"{', '.join(missing)} did not arrive within {self.wait_seconds:g}s")
                 sleep(_POLL_SECONDS)
             else:
+                for key in keys:  # present is not enough: each must be a member's own
+                    view.get(key)
                 self._forget_older(number)
                 return
             if not self.join(self.read(latest)):
@@ -146,7 +191,9 @@ class WorkerContext:
             return
         older = number - 1
         try:
-            while older >= 1 and protocol.forget_generation(self.store, older):
+            while older >= 1 and protocol.forget_generation(self.store, older,
+                                                            self.view(older)):
+                self._keys.pop(older, None)
                 older -= 1
         except Exception as exc:  # tidiness only: never fail a re-form over it
             logger.debug("keys of generation %d left in the store: %s", older, exc)
@@ -159,6 +206,17 @@ class WorkerContext:
             return False
         self.environ.update(protocol.rank_variables(topology, generation.number))
         return True
+
+
+def generation_key(environ) -> Optional[bytes]:
+    """The key of the generation an elastic runtime starting from ``environ`` joins
+    (None outside elastic jobs, or without per-generation keys)."""
+    if not environ.get(protocol.ENV_WORKER):
+        return None
+    ctx = context()
+    if ctx.environ is not environ:
+        ctx = WorkerContext(environ)
+    return ctx.key(int(environ.get(protocol.ENV_GENERATION, "0") or 0))
 
 
 def enter_generation(environ) -> None:

@@ -31,6 +31,7 @@ from hvdlike.frontend.objects import allgather_object, broadcast_object
 
 from .backend import allgather, allreduce, broadcast, broadcast_variables, grouped_allreduce
 from . import callbacks  # after .backend: its import error is the helpful one
+from . import elastic
 from .callbacks import (
     BroadcastGlobalVariablesCallback, LearningRateWarmupCallback, MetricAverageCallback,
 )
@@ -44,7 +45,7 @@ __all__ = [
     "HorovodInternalError", "HvdlikeInternalError", "LearningRateWarmupCallback",
     "MetricAverageCallback", "MismatchError", "ProcessSet", "Sum", "allgather",
     "allgather_object", "allreduce", "barrier", "broadcast", "broadcast_object",
-    "broadcast_variables", "callbacks", "cross_rank", "cross_size", "global_process_set",
+    "broadcast_variables", "callbacks", "cross_rank", "elastic", "cross_size", "global_process_set",
     "grouped_allreduce", "init", "is_homogeneous", "is_initialized", "join", "local_rank",
     "local_size", "rank", "shutdown", "size",
 ]

@@ -227,11 +227,7 @@ class _RayElasticDriver(ElasticDriver):
     """The launcher's elastic driver, starting Ray actors instead of processes."""
 
     def _start(self, worker_id: str, placement: RankPlacement, number: int) -> RayRank:
-        rank = self.job.spawn(worker_id, placement, {
-            protocol.ENV_WORKER: worker_id,
-            protocol.ENV_GENERATION: str(number),
-            protocol.ENV_TIMEOUT: str(self.settings.elastic_timeout + WAIT_MARGIN_SECONDS),
-        })
+        rank = self.job.spawn(worker_id, placement, self.worker_env(worker_id, number))
         self.workers[worker_id] = rank
         self.live[worker_id] = rank
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import queue
+import secrets
 import signal
 import threading
 import time
@@ -105,6 +106,8 @@ class ElasticDriver:
         self._removed_at: Dict[str, float] = {}
         self._stopping_since: Optional[float] = None
         self._stop_discovery = threading.Event()
+        self._secrets: Dict[str, str] = {}  # worker id -> its own secret (seals its keys)
+        self._keys: Dict[int, bytes] = {}  # generation number -> its key
 
     # -- the loop --------------------------------------------------------------------
 
@@ -208,7 +211,8 @@ class ElasticDriver:
         key = protocol.lost_key(self.generation, rank)
         try:
             if not self.store.check([key]):
-                self.store.set(key, f"{reason} (seen by hvdlike-run)")
+                view = self.store.for_generation(self._keys.get(self.generation))
+                view.set(key, f"{reason} (seen by hvdlike-run)")
         except Exception as exc:  # the survivors' diagnosis falls back to heartbeats
             self.output.note(f"could not report rank {rank}'s end to its peers: {exc}")
 
@@ -275,7 +279,10 @@ class ElasticDriver:
             topo = places[m.worker].topology
             table[m.worker] = {field: getattr(topo, field) for field in protocol.TOPOLOGY_FIELDS}
         generation = protocol.Generation(number, table, removed_only)
-        self.store.set(protocol.generation_key(number), generation.encode())
+        for m in members:
+            if m.new:
+                self._secrets[m.worker] = secrets.token_hex(16)
+        self._keys[number] = protocol.publish(self.store, generation, self._secrets)
         self.members = members
         started = []
         for m in members:
@@ -292,17 +299,23 @@ class ElasticDriver:
         self.output.note(f"generation {number}: {len(members)} rank(s) on {hosts}"
                          + (f" ({len(started)} new)" if number > 1 and started else ""))
 
+    def worker_env(self, worker_id: str, number: int) -> Dict[str, str]:
+        """What a new rank process of generation ``number`` is told (with its secret:
+        hand it over the way the job secret is, never on a command line)."""
+        return {
+            protocol.ENV_WORKER: worker_id,
+            protocol.ENV_GENERATION: str(number),
+            protocol.ENV_TIMEOUT: str(self.settings.elastic_timeout + WAIT_MARGIN_SECONDS),
+            protocol.ENV_WORKER_SECRET: self._secrets[worker_id],
+        }
+
     def _start(self, worker_id: str, placement, number: int) -> Worker:
         job = self.job
         if placement.host not in job.local:
             job.local[placement.host] = is_local(placement.host)
         addr, port = job.store.endpoint()
         spec = job.rank_spec(placement, addr, port)
-        spec["env"].update({
-            protocol.ENV_WORKER: worker_id,
-            protocol.ENV_GENERATION: str(number),
-            protocol.ENV_TIMEOUT: str(self.settings.elastic_timeout + WAIT_MARGIN_SECONDS),
-        })
+        spec["env"].update(self.worker_env(worker_id, number))
         worker = Worker(placement, job.launch_argv(placement), spec,
                         remote=not job.local[placement.host], output=self.output,
                         log_dir=job.config.output_dir)

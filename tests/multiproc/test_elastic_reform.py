@@ -6,14 +6,18 @@ Gloo groups under the new generation's store prefix.
 """
 
 import os
+import secrets
 
 from tests.multiproc.harness import run_ranks
 
 REFORMS = 20
+# Each process's own secret, as the launcher would give it (the test's rank 0, playing
+# the launcher, gets them all as an argument).
+SECRETS = {f"w{r}": secrets.token_hex(16) for r in range(3)}
 FAILED = (5, 11, 17)  # generations that end in a lost peer instead of new hosts
 
 
-def _reform_many(reforms, failed, timeline):
+def _reform_many(reforms, failed, timeline, worker_secrets):
     import json
     import os
     import threading
@@ -34,8 +38,8 @@ def _reform_many(reforms, failed, timeline):
         order = ["w0", "w1"] if number % 2 else ["w1", "w0"]  # ranks swap every generation
         table = {w: {"rank": r, "size": 2, "local_rank": r, "local_size": 2, "cross_rank": 0,
                      "cross_size": 1, "hostname": "localhost"} for r, w in enumerate(order)}
-        ctx.store.set(protocol.generation_key(number),
-                      protocol.Generation(number, table, removed_only=True).encode())
+        protocol.publish(ctx.store, protocol.Generation(number, table, removed_only=True),
+                         worker_secrets)
         ctx.store.set(protocol.LATEST_KEY, str(number))
 
     if os.environ["HVDLIKE_RANK"] == "0":
@@ -90,13 +94,18 @@ def _reform_many(reforms, failed, timeline):
     return seen, sum(1 for e in events if e.get("pid") in rows and e["name"].startswith("NEGOTIATE"))
 
 
+def _worker_env(rank):
+    return {"HVDLIKE_ELASTIC_WORKER": f"w{rank}",
+            "HVDLIKE_ELASTIC_WORKER_SECRET": SECRETS[f"w{rank}"]}
+
+
 def test_twenty_reforms_keep_topology_state_settings_and_resources(tmp_path):
     # Gloo, not shared memory, carries the collectives: a peer that aborts without
     # exiting is noticed on its closed sockets at once, not at the shared-memory timeout.
     env = {"HVDLIKE_ELASTIC_GENERATION": "1", "HVDLIKE_ELASTIC_TIMEOUT": "60", "HVDLIKE_SHM": "0"}
     timeline = str(tmp_path / "timeline.{rank}.json")
-    results = run_ranks(_reform_many, np=2, args=(REFORMS, FAILED, timeline), timeout=240,
-                        env=env, per_rank_env=lambda r: {"HVDLIKE_ELASTIC_WORKER": f"w{r}"})
+    results = run_ranks(_reform_many, np=2, args=(REFORMS, FAILED, timeline, SECRETS), timeout=240,
+                        env=env, per_rank_env=_worker_env)
     steps, step = [], 0  # the committed step each generation starts from
     for g in range(1, REFORMS + 2):
         steps.append(step)

@@ -178,3 +178,46 @@ def _check_warmup(per_rank):
             previous = want
         # The rate set by the callback is the one the trainer ended with.
         assert warm["final_lr"] == pytest.approx(0.2, rel=1e-6)
+
+
+def _keras_elastic_state():
+    import keras
+    import numpy as np
+
+    import hvdlike.keras as hvd
+
+    hvd.init()
+    r = hvd.rank()
+    keras.utils.set_random_seed(r)  # different models on purpose
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
+    model.compile(optimizer=optimizer, loss="mse")
+    if r == 0:  # only rank 0 has stepped: momentum slots and an iteration count
+        model.train_on_batch(np.ones((4, 3)), np.zeros((4, 2)))
+    state = hvd.elastic.KerasState(model, optimizer, epoch=10 + r)
+
+    @hvd.elastic.run  # launched without elastic flags: syncs once, then runs
+    def train(state):
+        return ([w.tolist() for w in model.get_weights()],
+                [keras.ops.convert_to_numpy(v).tolist() for v in optimizer.variables],
+                state.epoch)
+
+    synced = train(state)
+    state.commit()
+    model.set_weights([w + 1.0 for w in model.get_weights()])
+    model.train_on_batch(np.ones((4, 3)), np.zeros((4, 2)))  # moves slots and iterations too
+    state.epoch = 99
+    state.restore()
+    restored = ([w.tolist() for w in model.get_weights()],
+                [keras.ops.convert_to_numpy(v).tolist() for v in optimizer.variables],
+                state.epoch)
+    hvd.shutdown()
+    return synced, restored
+
+
+def test_keras_elastic_state_syncs_and_restores_model_and_optimizer():
+    first, second = run_ranks(_keras_elastic_state, np=NP, timeout=180,
+                              env={"KERAS_BACKEND": "torch"})
+    assert first[0] == second[0]  # rank 0's weights, optimizer variables and epoch everywhere
+    assert first[0][2] == 10 and len(first[0][1]) > 1
+    assert first[1] == first[0] and second[1] == second[0]  # restore() went back to the commit
