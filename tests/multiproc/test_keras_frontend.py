@@ -52,6 +52,7 @@ def _keras_job():
     out["collectives"] = _collectives(hvd, keras)
     out["warmup"] = _warmup(hvd, keras)
     out["errors"] = _errors(hvd, keras)
+    out["elastic"] = _elastic_state(hvd, keras)
     hvd.shutdown()
     return out
 
@@ -98,6 +99,32 @@ def _warmup(hvd, keras):
     return {"seen": seen, "final_lr": final_lr}
 
 
+def _elastic_state(hvd, keras):
+    """KerasState: sync gives every rank rank 0's weights, optimizer variables and
+    attributes (a rank that never stepped builds its slots); restore() goes back."""
+    r = hvd.rank()
+    keras.utils.set_random_seed(r)  # different models on purpose
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
+    model.compile(optimizer=optimizer, loss="mse")
+    if r == 0:  # only rank 0 has stepped: momentum slots and an iteration count
+        model.train_on_batch(np.ones((4, 3)), np.zeros((4, 2)))
+    state = hvd.elastic.KerasState(model, optimizer, epoch=10 + r)
+
+    def now():
+        return ([w.tolist() for w in model.get_weights()],
+                [keras.ops.convert_to_numpy(v).tolist() for v in optimizer.variables],
+                state.epoch)
+
+    synced = hvd.elastic.run(lambda state: now())(state)  # not elastic: syncs once, runs
+    state.commit()
+    model.set_weights([w + 1.0 for w in model.get_weights()])
+    model.train_on_batch(np.ones((4, 3)), np.zeros((4, 2)))  # moves slots and iterations too
+    state.epoch = 99
+    state.restore()
+    return synced, now()
+
+
 def _errors(hvd, keras):
     errors = {}
 
@@ -134,6 +161,10 @@ def test_keras_fit_two_ranks_matches_single_process(backend):
         assert abs(out["accuracy"] - oracle["accuracy"]) <= 1.0 / 397 + 1e-7
     assert oracle["accuracy"] > 0.85
     _check_warmup([out["warmup"] for out in res])
+    first, second = (out["elastic"] for out in res)
+    assert first[0] == second[0]  # rank 0's weights, optimizer variables and epoch everywhere
+    assert first[0][2] == 10 and len(first[0][1]) > 1
+    assert first[1] == first[0] and second[1] == second[0]  # restore() went back to the commit
     for out in res:
         got = out["collectives"]
         np.testing.assert_array_equal(got["sum"], [3.0, 3.0])
@@ -179,45 +210,3 @@ def _check_warmup(per_rank):
         # The rate set by the callback is the one the trainer ended with.
         assert warm["final_lr"] == pytest.approx(0.2, rel=1e-6)
 
-
-def _keras_elastic_state():
-    import keras
-    import numpy as np
-
-    import hvdlike.keras as hvd
-
-    hvd.init()
-    r = hvd.rank()
-    keras.utils.set_random_seed(r)  # different models on purpose
-    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
-    optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
-    model.compile(optimizer=optimizer, loss="mse")
-    if r == 0:  # only rank 0 has stepped: momentum slots and an iteration count
-        model.train_on_batch(np.ones((4, 3)), np.zeros((4, 2)))
-    state = hvd.elastic.KerasState(model, optimizer, epoch=10 + r)
-
-    @hvd.elastic.run  # launched without elastic flags: syncs once, then runs
-    def train(state):
-        return ([w.tolist() for w in model.get_weights()],
-                [keras.ops.convert_to_numpy(v).tolist() for v in optimizer.variables],
-                state.epoch)
-
-    synced = train(state)
-    state.commit()
-    model.set_weights([w + 1.0 for w in model.get_weights()])
-    model.train_on_batch(np.ones((4, 3)), np.zeros((4, 2)))  # moves slots and iterations too
-    state.epoch = 99
-    state.restore()
-    restored = ([w.tolist() for w in model.get_weights()],
-                [keras.ops.convert_to_numpy(v).tolist() for v in optimizer.variables],
-                state.epoch)
-    hvd.shutdown()
-    return synced, restored
-
-
-def test_keras_elastic_state_syncs_and_restores_model_and_optimizer():
-    first, second = run_ranks(_keras_elastic_state, np=NP, timeout=180,
-                              env={"KERAS_BACKEND": "torch"})
-    assert first[0] == second[0]  # rank 0's weights, optimizer variables and epoch everywhere
-    assert first[0][2] == 10 and len(first[0][1]) > 1
-    assert first[1] == first[0] and second[1] == second[0]  # restore() went back to the commit
