@@ -32,8 +32,8 @@ class RayCluster:
     def total_cpus(self) -> float:
         return sum(n["Resources"].get("CPU", 0) for n in self.ray.nodes() if n["Alive"])
 
-    def add_node(self):
-        node = self.cluster.add_node(num_cpus=CPUS_PER_NODE)
+    def add_node(self, cpus=CPUS_PER_NODE):
+        node = self.cluster.add_node(num_cpus=cpus)
         self.cluster.wait_for_nodes()
         return node
 
