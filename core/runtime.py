@@ -44,9 +44,6 @@ from .topology import horovod_variables
 _IDLE_CYCLES_BEFORE_BACKOFF = 8
 _IDLE_PAUSE_MAX_SECONDS = 0.05
 _SUBSET_POLL_SECONDS = 0.002
-# Cycles a thread waiting on a handle runs itself before leaving it to the
-# background thread (see Runtime._cycle_here).
-_CYCLES_HERE = 3
 
 
 class Runtime:
@@ -73,8 +70,6 @@ class Runtime:
         self._stopping = False
         self._flush = threading.Event()  # a user thread waits on a pending handle
         self.waits = Waits()  # user threads blocked in wait(), for the deadlock check
-        self._cycle_lock = threading.Lock()  # one thread at a time runs a cycle
-        self._shut = False  # the negotiated shutdown happened (on whichever thread)
         self._stopped = threading.Event()
         self._closed = False
         self._thread: Optional[threading.Thread] = None
@@ -403,50 +398,12 @@ class Runtime:
     def wait(self, handle: Handle, timeout: Optional[float] = None):
         if handle._done:
             return handle.wait()
+        self._flush.set()  # someone is blocked on it: cycle now, not at the next tick
         self.waits.enter()
         try:
-            self._cycle_here(handle)
-            if not handle._done:
-                self._flush.set()  # someone is blocked on it: cycle now, not at the next tick
             return handle.wait(self.alive_error, timeout)
         finally:
             self.waits.leave()
-
-    def _cycle_here(self, handle: Handle) -> None:
-        """Run up to a few cycles on the waiting thread while the background thread is not.
-
-        A thread that blocks on a handle would otherwise wake the background
-        thread, which negotiates and launches, and then be woken by whoever
-        completes the handle: two thread hand-offs, each of which waits for a
-        core and for the GIL on a busy host. Cycles are the same whichever
-        thread runs them (the cycle lock keeps one at a time, and every rank
-        still cycles its sets in the same order); a blocking engine (shared
-        memory, MPI) then moves the data on this thread as well. Gives up after
-        a few cycles without completion (peers not ready yet): the background
-        thread carries on.
-        """
-        if (self._thread is None or self._stopping or self.fatal is not None
-                or threading.current_thread().name.startswith("hvdlike-")
-                or not self._cycle_lock.acquire(blocking=False)):
-            return
-        try:
-            for _ in range(_CYCLES_HERE):
-                if self._shut or self._stopping or self.fatal is not None:
-                    return
-                if self._cycle_all():
-                    self._shut = True  # the background thread ends at its next cycle
-                    self._flush.set()
-                    for state in self.process_sets.values():
-                        state.queue.wakeup.set()
-                    return
-                if handle._done:
-                    return
-        except BaseException as exc:  # a cycle broken halfway: the job cannot go on
-            self._explain(exc)
-            if not isinstance(exc, Exception):
-                raise  # KeyboardInterrupt and the like reach the caller as they are
-        finally:
-            self._cycle_lock.release()
 
     # -- background thread ---------------------------------------------------------
 
@@ -506,9 +463,8 @@ class Runtime:
             while self.fatal is None:
                 cycle_seconds = self.settings.cycle_seconds  # the autotuner may change it
                 started = time.monotonic()
-                with self._cycle_lock:  # a waiting user thread may be cycling (_cycle_here)
-                    if self._shut or self._cycle_all():
-                        break
+                if self._cycle_all():
+                    break
                 # Idle back-off: with nothing pending here, each further idle
                 # cycle doubles the pause (up to _IDLE_PAUSE_MAX_SECONDS), so a
                 # rank that only computes stops burning a control collective per

@@ -11,10 +11,9 @@ the executor uses (``allreduce``, ``broadcast``, ``allgather``,
 ``alltoall_base``, ``barrier``); anything else (the point-to-point traffic of
 Adasum) goes to the set's Gloo group. Each call returns a work object whose
 ``wait()`` runs the collective. The executor calls it at once on the thread
-that launched it (``inline``: the background thread, or a user thread that
-runs cycles while it waits, see ``Runtime._cycle_here``), in launch order,
-which is the same order on every member: a transfer through memory is short
-next to a thread hand-off on a busy host.
+that launched it (``inline``: the background thread), in launch order, which
+is the same order on every member: a transfer through memory is short next to
+a thread hand-off to the finisher on a busy host.
 
 Algorithms, on a data area of two buffers, each ``members + 1`` slots of
 ``chunk_bytes``, used alternately chunk by chunk (a buffer is written again
