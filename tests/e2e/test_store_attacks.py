@@ -38,6 +38,10 @@ JOB = """
     here = os.path.dirname(os.path.abspath(__file__))
     for step in range(int(sys.argv[1])):
         total = hvd.allreduce(torch.ones(4) * (hvd.rank() + 1), name=f"step{step}", op=hvd.Sum)
+        # The test drops a "stop" file once its attack is over; the ranks agree to end.
+        stop = float(hvd.rank() == 0 and os.path.exists(os.path.join(here, "stop")))
+        if hvd.allreduce(torch.tensor([stop]), name=f"stop{step}", op=hvd.Max).item():
+            break
         if step == 0:
             with open(os.path.join(here, f"ready.{hvd.rank()}"), "w") as f:
                 f.write(str(os.getpid()))
@@ -113,11 +117,12 @@ def _start_job(marker, steps, extra=(), env=None):
 
 
 def test_listing_and_reading_every_key_reveals_no_secret(marker):
-    proc, job = _start_job(marker, steps=60)
+    proc, job = _start_job(marker, steps=100000)
     pids = [int((marker / f"ready.{r}").read_text()) for r in range(2)]
     try:
         report = report_of(attack({"host": job["addr"], "port": job["port"], "seconds": 1.0,
                                    "pids": pids}, marker))
+        (marker / "stop").write_text("")  # the job ran all along the attack; now it ends
         code, out, err = finish(proc, timeout=90)
     finally:
         kill_session(proc.pid)
