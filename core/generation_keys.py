@@ -48,6 +48,11 @@ class KeyLog(dist.Store):
         # can still be found and deleted (see elastic/protocol.forget_generation).
         self._publish = prefix + publish if publish else None
 
+    @property
+    def inner(self):
+        """The connection this log writes through."""
+        return self._inner
+
     def written(self) -> List[str]:
         with self._lock:
             return sorted(self._keys)

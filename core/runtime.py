@@ -248,7 +248,10 @@ class Runtime:
     def _forget_keys(self) -> None:
         """A clean end: the last rank to get here deletes the generation's keys."""
         try:
-            generation_keys.forget(self.job_store.connect(), self.store_prefix,
+            # The registry's connection is idle by now: a new one would cost a
+            # connect (and the store server's reverse lookup of this peer).
+            store = self._key_logs[0].inner if self._key_logs else self.job_store.connect()
+            generation_keys.forget(store, self.store_prefix,
                                    self._key_logs, self.topology.rank, self.topology.size)
         except Exception as exc:  # the store went away with the job: nothing to keep tidy
             logger.debug("generation keys left in the store: %s", exc)
