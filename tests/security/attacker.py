@@ -67,26 +67,30 @@ def main() -> int:
                 except Exception as exc:
                     report["errors"].append(f"get {key}: {exc}")
         prefixes = {m.group(1) for k in keys for m in [re.match(r"(.*?gen\d+/+)", k)] if m}
-        for item in spec.get("forge", []):
-            for prefix in prefixes:
-                target = prefix + item["suffix"]
-                if target not in report["wrote"]:
-                    store.set(target, item["value"])
-                    report["wrote"].append(target)
-        for item in spec.get("overwrite", []):
-            for key in keys:
-                if key.endswith(item["suffix"]):
-                    store.set(key, base64.b64decode(item["value"]))
-                    if key not in report["wrote"]:
-                        report["wrote"].append(key)
-        for item in spec.get("copy", []):
-            sources = [k for k in keys if k.endswith(item["from"])]
-            for source in sources:  # again and again: it must land after the real write
-                target = source[: -len(item["from"])] + item["to"]
-                store.set(target, store.get(source))
-                if target not in copied:
-                    copied.add(target)
-                    report["wrote"].append(target)
+        try:
+            for item in spec.get("forge", []):
+                for prefix in prefixes:
+                    target = prefix + item["suffix"]
+                    if target not in report["wrote"]:
+                        store.set(target, item["value"])
+                        report["wrote"].append(target)
+            for item in spec.get("overwrite", []):
+                for key in keys:
+                    if key.endswith(item["suffix"]):
+                        store.set(key, base64.b64decode(item["value"]))
+                        if key not in report["wrote"]:
+                            report["wrote"].append(key)
+            for item in spec.get("copy", []):
+                sources = [k for k in keys if k.endswith(item["from"])]
+                for source in sources:  # again and again: it must land after the real write
+                    target = source[: -len(item["from"])] + item["to"]
+                    store.set(target, store.get(source))
+                    if target not in copied:
+                        copied.add(target)
+                        report["wrote"].append(target)
+        except Exception as exc:  # the job ended and took its store with it
+            report["errors"].append(f"write: {exc}")
+            break
         if time.monotonic() > end:
             break
         time.sleep(0.002)
