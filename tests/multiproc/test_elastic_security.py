@@ -39,6 +39,8 @@ def _removed_rank_attacks(worker_secrets):
 
     if os.environ["HVDLIKE_RANK"] == "0":
         publish(1, ["w0", "w1", "w2"])
+    else:  # the launcher publishes a generation before it starts its ranks
+        ctx.store.wait([protocol.LATEST_KEY])
     hvd.init()
     found = {}
 
