@@ -11,7 +11,7 @@ import json
 import torch
 
 from tests.multiproc.harness import run_ranks
-from tests.multiproc.test_shm_plane import DTYPES, OPS, _oracle, _value
+from tests.multiproc.test_shm_plane import DTYPES, OPS, _check_allreduces, _value
 
 SIZES = [0, 7, 5000]  # 5000 x 8 bytes spans ten 4 KiB chunks
 
@@ -87,14 +87,7 @@ def _check(results, n, dtypes=DTYPES):
     for dtype in dtypes:
         tol = {"float16": 5e-2, "bfloat16": 5e-2, "float32": 1e-6}.get(dtype, 1e-12)
         for size in SIZES:
-            for op in OPS:
-                want = _oracle([_value(r, dtype, size) for r in range(n)], op, dtype)
-                for r, res in enumerate(results):
-                    got = res[("ar", dtype, size, op)]
-                    assert got.dtype == getattr(torch, dtype) and got.shape == (size,)
-                    assert torch.allclose(got.to(torch.float64), want.to(torch.float64),
-                                          rtol=tol, atol=tol), (dtype, size, op, r, got, want)
-                    assert torch.equal(got, results[0][("ar", dtype, size, op)])
+            _check_allreduces(results, n, dtype, size, tol)
             rows = [size % 5 + r for r in range(n)]
             want = torch.cat([_value(r, dtype, rows[r] * 3, 1).reshape(rows[r], 3)
                               for r in range(n)])

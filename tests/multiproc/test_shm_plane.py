@@ -88,19 +88,24 @@ def _every_collective(chunk_bytes):
     return out
 
 
+def _check_allreduces(results, n, dtype, size, tol):
+    """Every op's allreduce of ``size`` ``dtype`` elements: the oracle's value, alike on all ranks."""
+    for op in OPS:
+        want = _oracle([_value(r, dtype, size) for r in range(n)], op, dtype)
+        for r, res in enumerate(results):
+            got = res[("ar", dtype, size, op)]
+            assert got.dtype == getattr(torch, dtype) and got.shape == (size,)
+            assert torch.allclose(got.to(torch.float64), want.to(torch.float64),
+                                  rtol=tol, atol=tol), (dtype, size, op, r, got, want)
+            assert torch.equal(got, results[0][("ar", dtype, size, op)])
+
+
 def _check_every_collective(results, n):
     assert all(res["plane"] == "ShmDataGroup+ShmControlPlane" for res in results), [r["plane"] for r in results]
     for dtype in DTYPES:
         tol = {"float16": 5e-2, "bfloat16": 5e-2, "float32": 1e-6}.get(dtype, 1e-12)
         for size in SIZES:
-            for op in OPS:
-                want = _oracle([_value(r, dtype, size) for r in range(n)], op, dtype)
-                for r, res in enumerate(results):
-                    got = res[("ar", dtype, size, op)]
-                    assert got.dtype == getattr(torch, dtype) and got.shape == (size,)
-                    assert torch.allclose(got.to(torch.float64), want.to(torch.float64),
-                                          rtol=tol, atol=tol), (dtype, size, op, r, got, want)
-                    assert torch.equal(got, results[0][("ar", dtype, size, op)])
+            _check_allreduces(results, n, dtype, size, tol)
             if dtype in ("float32", "int32"):
                 inputs = [_value(r, dtype, size).to(torch.float64) for r in range(n)]
                 if dtype == "int32":
