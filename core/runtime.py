@@ -69,6 +69,12 @@ class Runtime:
         self.fatal: Optional[BaseException] = None
         self._stopping = False
         self._flush = threading.Event()  # a user thread waits on a pending handle
+        # Held by whichever thread runs a negotiation cycle: the background
+        # thread, or a user thread blocked on a handle (see wait()).
+        self._cycle_lock = threading.Lock()
+        self._last_cycle = 0.0  # when the last cycle (any thread's) ended
+        self._agreed_stop = False  # a user thread's cycle agreed on the shutdown
+        self._callers = 0  # user threads in _cycle_until (the background thread keeps still)
         self.waits = Waits()  # user threads blocked in wait(), for the deadlock check
         self._stopped = threading.Event()
         self._closed = False
@@ -398,15 +404,71 @@ class Runtime:
                         f"{state.id} (ranks {state.ranks}); root_rank is a global rank")
                 entry.request = dataclasses.replace(request, root=state.ranks.index(request.root))
 
+    # A thread blocked on a pending handle runs the negotiation cycles itself
+    # (see wait()); False keeps every cycle on the background thread.
+    caller_cycles = True
+
     def wait(self, handle: Handle, timeout: Optional[float] = None):
         if handle._done:
             return handle.wait()
-        self._flush.set()  # someone is blocked on it: cycle now, not at the next tick
         self.waits.enter()
         try:
+            if timeout is None and self.caller_cycles and "mpi" not in self.engines:
+                self._cycle_until(handle)
+            if not handle._done:
+                self._flush.set()  # someone is blocked on it: cycle now, not at the next tick
             return handle.wait(self.alive_error, timeout)
         finally:
             self.waits.leave()
+
+    def _cycle_until(self, handle: Handle) -> None:
+        """Run negotiation cycles on this (user) thread until ``handle`` completes.
+
+        A synchronous collective then costs no hand-off to the background
+        thread and back: on a host whose cores are all busy each hand-off is
+        a wake-up of another thread that may wait for a core. Cycles stay
+        one at a time per rank (``_cycle_lock``), so the control collectives
+        keep their order; when another thread is cycling already, or the
+        handle's work runs on the finisher thread, this thread waits on the
+        handle as before (and the background thread cycles).
+        """
+        lock = self._cycle_lock
+        with self._counter_lock:
+            self._callers += 1
+        try:
+            while not handle._done:
+                if self.fatal is not None or self._agreed_stop or self._stopping:
+                    return
+                if not lock.acquire(blocking=False):
+                    return
+                try:
+                    if handle._done or self.fatal is not None or self._agreed_stop:
+                        return
+                    launched = self._launched()
+                    try:
+                        if self._cycle_all():
+                            self._agreed_stop = True
+                    except BaseException as exc:
+                        self._explain(exc)
+                    finally:
+                        self._last_cycle = time.monotonic()
+                finally:
+                    lock.release()
+                if self._agreed_stop or self.fatal is not None:
+                    return
+                if not handle._done and self._launched() != launched:
+                    return  # launched on the finisher: wait for it there
+        finally:
+            with self._counter_lock:
+                self._callers -= 1
+            if not handle._done:
+                self._flush.set()  # the background thread takes over (see _loop)
+            if self._agreed_stop or self.fatal is not None:
+                for state in list(self.process_sets.values()):
+                    state.queue.wakeup.set()  # the background thread tears down
+
+    def _launched(self) -> int:
+        return sum(state.executor.launched for state in self.process_sets.values())
 
     # -- background thread ---------------------------------------------------------
 
@@ -462,54 +524,88 @@ class Runtime:
 
     def _loop(self) -> None:
         idle_cycles = 0
+        lock = self._cycle_lock
         try:
-            while self.fatal is None:
+            while self.fatal is None and not self._agreed_stop:
                 cycle_seconds = self.settings.cycle_seconds  # the autotuner may change it
-                started = time.monotonic()
-                if self._cycle_all():
-                    break
-                # Idle back-off: with nothing pending here, each further idle
-                # cycle doubles the pause (up to _IDLE_PAUSE_MAX_SECONDS), so a
-                # rank that only computes stops burning a control collective per
-                # millisecond. A submission wakes the loop at once; a peer that
-                # needs this rank meanwhile just waits in its control collective.
-                idle = all(s.controller.idle for s in self.process_sets.values())
-                idle_cycles = idle_cycles + 1 if idle else 0
-                if not idle:
+                pause = cycle_seconds
+                if idle_cycles > _IDLE_CYCLES_BEFORE_BACKOFF:
+                    # Idle back-off: with nothing pending here, each further idle
+                    # cycle doubles the pause (up to _IDLE_PAUSE_MAX_SECONDS), so
+                    # a rank that only computes stops burning a control collective
+                    # per millisecond. A peer that needs this rank meanwhile just
+                    # waits in its control collective.
+                    pause = min(_IDLE_PAUSE_MAX_SECONDS, max(cycle_seconds, 1e-3) * 2 ** min(
+                        idle_cycles - _IDLE_CYCLES_BEFORE_BACKOFF, 16))
+                # A user thread blocked on its handle runs the cycles for it
+                # (wait()); one here would cost the peers a round trip. An idle
+                # cycle runs once ``pause`` passed since anyone's last cycle.
+                cycled = False
+                if self._wants_cycle(pause):
+                    with lock:
+                        if self.fatal is not None or self._agreed_stop:
+                            break
+                        if self._wants_cycle(pause):  # a user thread may have run it
+                            cycled = True
+                            try:
+                                if self._cycle_all():
+                                    break
+                            finally:
+                                self._last_cycle = time.monotonic()
+                idle = self._idle()
+                if cycled:
+                    idle_cycles = idle_cycles + 1 if idle else 0
+                if self._callers:
+                    # Until that thread is done (it sets _flush when it leaves).
+                    self._flush.wait(pause)
+                    self._flush.clear()
+                elif not idle:
                     # Work in flight: let submissions gather for the cycle time
                     # so they fuse into fewer collectives; a thread blocking on
                     # a handle (synchronize) cuts the wait short.
-                    remaining = cycle_seconds - (time.monotonic() - started)
+                    remaining = cycle_seconds - (time.monotonic() - self._last_cycle)
                     if remaining > 0 and not self._flush.is_set():
                         self._flush.wait(remaining)
                     self._flush.clear()
-                    continue
-                pause = cycle_seconds
-                if idle_cycles > _IDLE_CYCLES_BEFORE_BACKOFF:
-                    pause = min(_IDLE_PAUSE_MAX_SECONDS, max(cycle_seconds, 1e-3) * 2 ** min(
-                        idle_cycles - _IDLE_CYCLES_BEFORE_BACKOFF, 16))
-                remaining = pause - (time.monotonic() - started)
-                if remaining > 0:
-                    self._pause(remaining)
+                else:
+                    remaining = pause - (time.monotonic() - self._last_cycle)
+                    if remaining > 0:
+                        self._pause(remaining)
         except BaseException as exc:
             self._explain(exc)
         finally:
             self._teardown()
 
-    def _pause(self, seconds: float) -> None:
-        """Sleep up to ``seconds``; a submission to any process set ends it."""
+    def _wants_cycle(self, pause: float) -> bool:
+        """Whether the background thread should run a cycle now."""
+        if self._stopping:
+            return True
+        if self._callers:
+            return False
+        return (not self._idle(queued=True)
+                or time.monotonic() - self._last_cycle >= pause)
+
+    def _idle(self, queued: bool = False) -> bool:
+        """Nothing pending in any set (with ``queued``: nothing submitted since either)."""
+        for state in self.process_sets.values():
+            if not state.controller.idle or (queued and state.queue.has_pending()):
+                return False
+        return True
+
+    def _pause(self, seconds: float) -> bool:
+        """Sleep up to ``seconds``; a submission to any process set ends it (returns True)."""
         states = self.process_sets
         main = states[0].queue.wakeup
         if len(states) == 1:
-            main.wait(seconds)
-            return
+            return main.wait(seconds)
         others = [s.queue.wakeup for k, s in states.items() if k != 0]
         deadline = time.monotonic() + seconds
         while not main.is_set() and not any(e.is_set() for e in others):
             left = deadline - time.monotonic()
             if left <= 0:
-                return
+                return False
             main.wait(min(left, _SUBSET_POLL_SECONDS))
+        return True
 
     def _cycle_all(self) -> bool:
         """One cycle over every process set; True once the job shuts down.

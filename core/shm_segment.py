@@ -37,6 +37,7 @@ import os
 import platform
 import secrets
 import stat
+import threading
 import time
 from typing import Callable, List, Optional, Sequence
 
@@ -48,6 +49,14 @@ LINE = 64  # bytes: each member's counter sits on its own cache line
 _WORDS_PER_LINE = LINE // 4
 _SPINS = 20  # counter reads before sleeping (a few microseconds)
 _SLICE_SECONDS = 0.1  # longest single sleep: how often liveness is checked
+_FIRST_NAP_SECONDS = 0.002  # first sleep of a wait (bounds the cost of a missed wake)
+_FENCE = threading.Lock()
+
+
+def _fence() -> None:
+    """A full memory barrier: taking a lock is an atomic read-modify-write."""
+    _FENCE.acquire()
+    _FENCE.release()
 
 _SYS_FUTEX = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98, "ppc64le": 221,
               "s390x": 238, "riscv64": 98}.get(platform.machine().lower())
@@ -176,13 +185,27 @@ class Segment:
         return self.words[self._word(member, slot)]
 
     def arrive(self) -> int:
-        """Mark this member as having reached the next sync point; return its number."""
+        """Mark this member as having reached the next sync point; return its number.
+
+        Wakes only members that announced they sleep (``_SLEEPING``): a wake
+        call costs a system call and, on a busy host, often a switch to the
+        woken process before this one goes on. The fence between writing the
+        counter and reading the flags (and between the sleeper's flag and
+        its last look at the counter) keeps both from missing each other;
+        were one missed anyway, the sleeper wakes by itself after
+        ``_FIRST_NAP_SECONDS``.
+        """
         self.count = (self.count + 1) & 0x7FFFFFFF
-        index = self._word(self.me)
-        self.words[index] = self.count
-        if _LIBC is not None:
-            _LIBC.syscall(_SYS_FUTEX, ctypes.c_void_p(self.base + 4 * index), _FUTEX_WAKE,
-                          0x7FFFFFFF, None, None, 0)
+        words = self.words
+        words[self.me * _WORDS_PER_LINE] = self.count
+        if _LIBC is None:
+            return self.count
+        _fence()
+        for member in range(self.members):
+            if member != self.me and words[member * _WORDS_PER_LINE + _SLEEPING]:
+                _LIBC.syscall(_SYS_FUTEX, ctypes.c_void_p(self.base + 4 * self.me * _WORDS_PER_LINE),
+                              _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
+                break
         return self.count
 
     def wait_all(self, check: Callable[[List[int]], None]) -> None:
@@ -193,6 +216,7 @@ class Segment:
         """
         target = self.count
         words = self.words
+        flag = self.me * _WORDS_PER_LINE + _SLEEPING
         for member in range(self.members):
             if member == self.me:
                 continue
@@ -200,6 +224,7 @@ class Segment:
             spins = 0
             nap = 20e-6
             next_check = 0.0
+            sleep = _FIRST_NAP_SECONDS
             # Arrived, or already past: a peer is at most one sync point ahead.
             while ((words[index] - target) & 0x7FFFFFFF) >= (1 << 30):
                 spins += 1
@@ -210,14 +235,19 @@ class Segment:
                     if next_check:
                         check(self._missing(target))
                     next_check = now + _SLICE_SECONDS
-                value = words[index]
-                if _LIBC is not None:
-                    ts = _Timespec(0, int(_SLICE_SECONDS * 1e9))
-                    _LIBC.syscall(_SYS_FUTEX, ctypes.c_void_p(self.base + 4 * index),
-                                  _FUTEX_WAIT, ctypes.c_int32(value), ctypes.byref(ts), None, 0)
-                else:
+                if _LIBC is None:
                     time.sleep(nap)
                     nap = min(nap * 2, 1e-3)
+                    continue
+                words[flag] = 1
+                _fence()
+                value = words[index]
+                if ((value - target) & 0x7FFFFFFF) >= (1 << 30):
+                    ts = _Timespec(0, int(sleep * 1e9))
+                    _LIBC.syscall(_SYS_FUTEX, ctypes.c_void_p(self.base + 4 * index),
+                                  _FUTEX_WAIT, ctypes.c_int32(value), ctypes.byref(ts), None, 0)
+                    sleep = _SLICE_SECONDS
+                words[flag] = 0
 
     def _missing(self, target: int) -> List[int]:
         out = []
@@ -261,7 +291,8 @@ class Segment:
             pass
 
 
-_PID, _ATTACHED = 1, 2  # header words of each member (0 is its sync counter)
+# Header words of each member: 0 is its sync counter, then these.
+_PID, _ATTACHED, _SLEEPING = 1, 2, 3
 _ATTACH_POLL_SECONDS = 0.001
 _created = 0
 

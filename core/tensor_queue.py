@@ -105,6 +105,10 @@ class TensorQueue:
             else:
                 entries.append(item)
 
+    def has_pending(self) -> bool:
+        """Entries submitted and not drained yet."""
+        return bool(self._pending)
+
     def release(self, name: str) -> None:
         self._inflight.pop(name, None)
 
