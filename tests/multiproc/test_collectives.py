@@ -174,3 +174,61 @@ def test_allgather_broadcast_alltoall_reducescatter(np):
         assert torch.equal(out["grouped_reducescatter"][0], torch.full((1,), float(sum(range(np)))))
         assert out["object"] == {"from": 1, "data": [0, 1]}
         assert out["objects"] == [("rank", r, "x" * r) for r in range(np)]
+
+
+def _threads_block_on_handles(engine_env):
+    """Several user threads wait on their own handles at once while the main
+    thread submits async work: one of them runs each cycle, the others wait."""
+    import threading
+    import time
+
+    import hvdlike.torch as hvd
+    from hvdlike.core import current
+
+    hvd.init()
+    rank = hvd.rank()
+    runtime = current.get()
+    errors, sums, cyclers = [], {}, set()
+    cycle_all = runtime._cycle_all
+
+    def recorded_cycle():
+        cyclers.add(threading.current_thread().name)
+        return cycle_all()
+
+    runtime._cycle_all = recorded_cycle
+
+    def worker(k):
+        try:
+            for i in range(40):
+                t = torch.full((3 + k,), float(rank + 1 + i))
+                sums[(k, i)] = hvd.allreduce(t, op=hvd.Sum, name=f"thread{k}.{i}")
+                if i % 7 == k:
+                    time.sleep(0.002)
+        except BaseException as exc:  # reported to the test below
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=worker, args=(k,), name=f"user{k}") for k in range(3)]
+    for thread in threads:
+        thread.start()
+    handles = [hvd.allreduce_async(torch.full((2,), float(rank)), op=hvd.Sum, name=f"main.{i}")
+               for i in range(20)]
+    main = [hvd.synchronize(h) for h in handles]
+    for thread in threads:
+        thread.join(60)
+    stuck = [t.name for t in threads if t.is_alive()]
+    hvd.shutdown()
+    return errors, stuck, sums, main, sorted(cyclers)
+
+
+@pytest.mark.parametrize("engine_env", [{}, {"HVDLIKE_SHM": "0"}], ids=["shm", "gloo"])
+def test_user_threads_blocked_on_handles_share_the_cycles(engine_env):
+    results = run_ranks(_threads_block_on_handles, np=2, args=(engine_env,), env=engine_env,
+                        timeout=120)
+    for errors, stuck, sums, main, _ in results:
+        assert not errors and not stuck, (errors, stuck)
+        for (k, i), got in sums.items():
+            assert torch.equal(got, torch.full((3 + k,), float(1 + i + 2 + i))), (k, i, got)
+        assert all(torch.equal(t, torch.full((2,), 1.0)) for t in main)
+    for *_, cyclers in results:
+        # Both the background thread and threads blocked on handles ran cycles.
+        assert "hvdlike-background" in cyclers and any(c.startswith("user") for c in cyclers)
