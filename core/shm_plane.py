@@ -15,16 +15,20 @@ that launched it (``inline``: the background thread), in launch order, which
 is the same order on every member: a transfer through memory is short next to
 a thread hand-off to the finisher on a busy host.
 
-Algorithms, on a data area of two buffers, each ``members + 1`` slots of
-``chunk_bytes``, used alternately chunk by chunk (a buffer is written again
-only two sync points after its last reader finished, so one sync per phase
-suffices):
+Algorithms, on a data area of two buffers of ``(members + 1) * chunk_bytes``,
+used alternately, one per chunk (a buffer is written again only after every
+member passed a sync point that followed its last read of it):
 
-* allreduce, per chunk: member ``i`` owns the ``i``-th portion; every member
-  copies the portions it does not own into its slot; sync; every member
-  reduces its portion (its own data and the others' slots, in member order:
-  each element is reduced once, so every member gets the identical result)
-  into its slot; sync; every member copies the other portions' results out;
+* allreduce, per chunk of ``1.5 * chunk_bytes`` for two members (the buffer
+  holds ``members ** 2`` portions, see ``ShmDataGroup._publish``): member ``i``
+  owns the ``i``-th portion; every member publishes the portions it does not
+  own; sync; every member reduces its portion (its own data and the others'
+  publications, in member order: each element is reduced once, so every
+  member gets the identical result) into the buffer's result region; sync;
+  every member copies the other portions' results out. Pipelined: the step
+  before a sync point publishes chunk ``s``, reduces chunk ``s - 1`` and reads
+  the results of chunk ``s - 2`` (in other regions of the same buffer), so an
+  allreduce of ``k`` chunks takes ``k + 1`` sync points, not ``2k``;
 * broadcast, per chunk: the root copies into the result slot; sync; others copy out;
 * allgather, per chunk: every member copies its part into its slot; sync;
   every member copies all slots out;
@@ -55,9 +59,9 @@ from .errors import HvdlikeInternalError
 from .shm_segment import Segment, job_tag  # noqa: F401 - job_tag re-exported
 
 # Per slot; a segment holds two buffers of (members + 1) slots: 24 MiB for two
-# members. Each chunk of an allreduce costs two sync points, each a wake-up of
-# the peer on a busy host; 4 MiB chunks (one per 1024x1024 fp32 gradient) took
-# 64 MiB in 0.5-0.75x the time 1 MiB chunks did.
+# members. Every sync point is a wake-up of the peer on a busy host: 4 MiB
+# slots (allreduce chunks of 6 MiB for two members) took 64 MiB in 0.5-0.75x
+# the time 1 MiB slots did; 6 MiB slots (36 MiB) were no faster than 4 MiB.
 CHUNK_BYTES = 4 << 20
 # Allreduces up to this size take one sync point (every member reduces all of it).
 ONE_SYNC_BYTES = 256 * 1024
@@ -210,6 +214,13 @@ class ShmDataGroup:
         self._gloo = gloo
         self.abandon = abandon
         self.chunk_bytes = chunk_bytes or CHUNK_BYTES
+        # Bytes of one allreduce portion (see _publish): a multiple of 64.
+        self._share_bytes = ((size + 1) * self.chunk_bytes // (size * size)
+                             // _ALIGN_BYTES * _ALIGN_BYTES)
+        if self._share_bytes == 0:
+            raise HvdlikeInternalError(
+                f"shared-memory chunk of {self.chunk_bytes} bytes is too small for "
+                f"{size} members")
         self.name = ""
         self._step = 0
         self._views: Dict[tuple, torch.Tensor] = {}
@@ -257,42 +268,86 @@ class ShmDataGroup:
         return _Work(lambda: self._allreduce(flat, reduce))
 
     def _allreduce(self, flat: torch.Tensor, reduce, root: Optional[int] = None) -> None:
-        # Per chunk, member ``me`` owns portion [lo, hi): it publishes only the
-        # other portions, reduces its own from its private copy and the others'
-        # slots (in member order, so the result does not depend on who owns an
-        # element), publishes the result in its own slot and reads the other
-        # portions' results from their owners' slots. With ``root`` only that
-        # member reads them (a reduce: the others' ``flat`` ends partly reduced).
-        n, me = self.size, self.rank
+        # Per chunk, member ``me`` owns portion ``me``: it publishes the other
+        # portions, reduces its own from its private copy and the others'
+        # publications (in member order, so the result does not depend on who
+        # owns an element) into the buffer's result region and reads the other
+        # portions' results from there. Pipelined: before sync point ``s`` a
+        # member publishes chunk ``s``, reduces chunk ``s - 1`` and reads the
+        # results of chunk ``s - 2``: chunks + 1 sync points in all. With
+        # ``root`` only that member reads results (a reduce: the others'
+        # ``flat`` is left as it was).
         count = flat.numel()
-        if 0 < count * flat.element_size() <= min(self.chunk_bytes, ONE_SYNC_BYTES):
+        if count == 0:
+            return
+        size = flat.element_size()
+        if count * size <= min(self.chunk_bytes, ONE_SYNC_BYTES):
             self._allreduce_small(flat, reduce)
             return
-        per_chunk = self.chunk_bytes // flat.element_size()
-        unit = max(1, _ALIGN_BYTES // flat.element_size())
-        for start in range(0, count, per_chunk):
-            length = min(per_chunk, count - start)
-            chunk = flat[start:start + length]
-            slots = self._buffer(flat.dtype)
-            share = -(-length // (n * unit)) * unit
-            bounds = [(min(m * share, length), min((m + 1) * share, length)) for m in range(n)]
-            lo, hi = bounds[me]
-            mine = slots[me]
-            if lo > 0:
-                mine[:lo].copy_(chunk[:lo])
-            if hi < length:
-                mine[hi:length].copy_(chunk[hi:])
+        share = self._share_bytes // size
+        per_chunk = self.size * share
+        reads = root is None or self.rank == root
+        reducing = reading = None
+        for start in range(0, count + per_chunk, per_chunk):
+            publishing = None
+            if start < count:
+                publishing = self._publish(flat[start:start + per_chunk], share)
+            if reducing is not None:
+                self._reduce_portion(reducing, share, reduce, reads)
+            if reading is not None and reads:
+                self._read_results(reading, share)
             self._sync("allreduce")
-            if hi > lo:
-                reduce([chunk[lo:hi] if m == me else slots[m, lo:hi] for m in range(n)],
-                       mine[lo:hi])
-                chunk[lo:hi].copy_(mine[lo:hi])
-            self._sync("allreduce")
-            if root is not None and me != root:
-                continue
-            for m, (a, b) in enumerate(bounds):
-                if m != me and b > a:
-                    chunk[a:b].copy_(slots[m, a:b])
+            reading, reducing = reducing, publishing
+        if reading is not None and reads:
+            self._read_results(reading, share)
+
+    # An allreduce chunk in a buffer of ``(n + 1) * chunk_bytes`` bytes, in
+    # portions of at most ``share`` elements: member ``j`` publishes its n - 1
+    # non-owned portions packed at ``j * (n - 1) * share``, the owners' results
+    # follow at ``n * (n - 1) * share`` (``_share_bytes``: n * n portions fill
+    # the buffer, 1.5 slots of data per chunk for two members). Portion bounds
+    # are multiples of 64 bytes: no two writers share a cache line.
+
+    def _publish(self, chunk: torch.Tensor, share: int) -> tuple:
+        n, me = self.size, self.rank
+        length = chunk.numel()
+        area = self._buffer(chunk.dtype).view(-1)
+        unit = max(1, _ALIGN_BYTES // chunk.element_size())
+        part = -(-length // (n * unit)) * unit
+        bounds = [(min(m * part, length), min((m + 1) * part, length)) for m in range(n)]
+        at = me * (n - 1) * share
+        for m, (a, b) in enumerate(bounds):
+            if m != me:
+                if b > a:
+                    area[at:at + b - a].copy_(chunk[a:b])
+                at += share
+        return chunk, area, bounds
+
+    def _reduce_portion(self, published: tuple, share: int, reduce, keep: bool) -> None:
+        chunk, area, bounds = published
+        n, me = self.size, self.rank
+        lo, hi = bounds[me]
+        if hi == lo:
+            return
+        parts = []
+        for m in range(n):
+            if m == me:
+                parts.append(chunk[lo:hi])
+            else:  # my portion is the ``me``-th (or, after mine, ``me - 1``-th) of member m's
+                at = (m * (n - 1) + (me if me < m else me - 1)) * share
+                parts.append(area[at:at + hi - lo])
+        results = n * (n - 1) * share
+        result = area[results + lo:results + hi]
+        reduce(parts, result)
+        if keep:
+            chunk[lo:hi].copy_(result)
+
+    def _read_results(self, published: tuple, share: int) -> None:
+        chunk, area, bounds = published
+        results = self.size * (self.size - 1) * share
+        for m, (a, b) in enumerate(bounds):
+            if m != self.rank and b > a:
+                chunk[a:b].copy_(area[results + a:results + b])
 
     def _allreduce_small(self, flat: torch.Tensor, reduce) -> None:
         # One sync point instead of two: every member publishes all of its

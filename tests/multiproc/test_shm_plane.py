@@ -17,7 +17,9 @@ from tests.multiproc.harness import run_ranks
 DTYPES = ["float16", "bfloat16", "float32", "float64", "int8", "int16", "int32", "int64",
           "uint8", "bool"]
 OPS = ["Sum", "Average", "Min", "Max", "Product"]
-SIZES = [0, 1, 7, 1027, 5000]  # elements; 5000 x 8 bytes spans ten 4 KiB chunks
+SIZES = [0, 1, 7, 1027, 5000]  # elements; 5000 x 8 bytes spans 7-10 chunks
+TAIL_DTYPES = ["float16", "float32", "int64"]
+TAIL_EXTRAS = [1, 5, 17]
 
 
 def _value(rank, dtype, n, salt=0):
@@ -81,6 +83,19 @@ def _every_collective(chunk_bytes):
             got, counts = hvd.alltoall(_value(r, dtype, sum(splits) * 2, 3).reshape(-1, 2),
                                        splits=splits, name=f"a2a.{dtype}.{size}")
             out[("a2a", dtype, size)] = (got, counts.tolist())
+    # Several pipelined chunks, the last a few elements (some members own none of it).
+    from hvdlike.core import api
+
+    plane = api.runtime().process_sets[0].groups.cpu_plane
+    for dtype in TAIL_DTYPES:
+        per_chunk = n * plane._share_bytes // getattr(torch, dtype).itemsize
+        for extra in TAIL_EXTRAS:
+            out[("tail", dtype, extra)] = hvd.allreduce(
+                _value(r, dtype, 3 * per_chunk + extra), op=hvd.Sum, name=f"tail.{dtype}.{extra}")
+    # The reduce variant of the hierarchical plane, to the last member: only it reads results.
+    t = _value(r, "float32", 3 * n * plane._share_bytes // 4 + 5, 5)
+    plane._allreduce(t, shm_plane._reducer(None), root=n - 1)
+    out["root"] = t
     big = _value(r, "float32", 3 * n + 2000)
     out["rs"] = hvd.reducescatter(big.reshape(-1, 1), op=hvd.Sum, name="rs")
     hvd.barrier()
@@ -136,6 +151,18 @@ def _check_every_collective(results, n):
                     counts.append(splits[r][me])
                 got, got_counts = res[("a2a", dtype, size)]
                 assert got_counts == counts and torch.equal(got, torch.cat(parts)), (dtype, size)
+    for dtype in TAIL_DTYPES:
+        for extra in TAIL_EXTRAS:
+            got = [res[("tail", dtype, extra)] for res in results]
+            want = torch.stack([_value(r, dtype, got[0].numel()).to(torch.float64)
+                                for r in range(n)]).sum(0)
+            assert got[0].numel() > 3 * extra, (dtype, extra)
+            for g in got:
+                assert torch.equal(g, got[0]) and torch.equal(g.to(torch.float64), want), (dtype, extra)
+    sent = [_value(r, "float32", results[0]["root"].numel(), 5) for r in range(n)]
+    assert torch.equal(results[n - 1]["root"], torch.stack(sent).sum(0))
+    for r in range(n - 1):
+        assert torch.equal(results[r]["root"], sent[r])  # not a reader: left as it was
     total = torch.stack([_value(r, "float32", 3 * n + 2000) for r in range(n)]).sum(0)
     base, extra = divmod(total.numel(), n)
     start = 0
