@@ -366,6 +366,45 @@ def process_gone(pid: int) -> bool:
         return False
 
 
+class _Iovec(ctypes.Structure):
+    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
+
+
+def _vm_readv():
+    if _LIBC is None:
+        return None
+    fn = getattr(_LIBC, "process_vm_readv", None)
+    if fn is not None:
+        fn.restype = ctypes.c_ssize_t
+        fn.argtypes = [ctypes.c_int, ctypes.POINTER(_Iovec), ctypes.c_ulong,
+                       ctypes.POINTER(_Iovec), ctypes.c_ulong, ctypes.c_ulong]
+    return fn
+
+
+_VM_READV = _vm_readv()
+
+
+def read_peer(pid: int, remote: int, local: int, nbytes: int) -> None:
+    """Copy ``nbytes`` at address ``remote`` of process ``pid`` to ``local`` of this one.
+
+    One kernel copy between the address spaces (``process_vm_readv``,
+    "cross-memory attach"), the GIL released. Needs the right to ptrace
+    ``pid`` (same user; Yama's ``ptrace_scope`` 0, or no Yama); raises
+    ``OSError`` otherwise, when ``pid`` has exited, or when the range is not mapped.
+    """
+    if _VM_READV is None:
+        raise OSError(0, "process_vm_readv is not available")
+    while nbytes > 0:
+        mine, theirs = _Iovec(local, nbytes), _Iovec(remote, nbytes)
+        got = _VM_READV(pid, ctypes.byref(mine), 1, ctypes.byref(theirs), 1, 0)
+        if got <= 0:
+            err = ctypes.get_errno() if got < 0 else 0
+            raise OSError(err, os.strerror(err) if err else "nothing was read")
+        remote += got
+        local += got
+        nbytes -= got
+
+
 def header_bytes(members: int, extra_per_member: int = 0) -> int:
     need = members * LINE + members * extra_per_member
     return (need + 4095) // 4096 * 4096

@@ -11,7 +11,8 @@ import json
 import torch
 
 from tests.multiproc.harness import run_ranks
-from tests.multiproc.test_shm_plane import DTYPES, OPS, _check_allreduces, _value
+from tests.multiproc.test_shm_plane import (ACROSS_MIN_BYTES, DTYPES, OPS, _check_allreduces,
+                                            _value)
 
 SIZES = [0, 7, 5000]  # 5000 x 8 bytes spans ten 4 KiB chunks
 
@@ -42,6 +43,7 @@ def _collectives(chunk_bytes, timeline, dtypes=DTYPES):
     from hvdlike.core import shm_plane
 
     shm_plane.CHUNK_BYTES = chunk_bytes
+    shm_plane.ACROSS_MIN_BYTES = ACROSS_MIN_BYTES  # 5000 x 8 bytes: reduced across
     trio, pair = hvd.ProcessSet([0, 1, 2]), hvd.ProcessSet([1, 3])
     hvd.init(process_sets=[trio, pair])
     r, n = hvd.rank(), hvd.size()

@@ -18,6 +18,8 @@ DTYPES = ["float16", "bfloat16", "float32", "float64", "int8", "int16", "int32",
           "uint8", "bool"]
 OPS = ["Sum", "Average", "Min", "Max", "Product"]
 SIZES = [0, 1, 7, 1027, 5000]  # elements; 5000 x 8 bytes spans 7-10 chunks
+# 5000 elements of 8 bytes read the others' tensors directly (where the host allows it).
+ACROSS_MIN_BYTES = 32 * 1024
 TAIL_DTYPES = ["float16", "float32", "int64"]
 TAIL_EXTRAS = [1, 5, 17]
 
@@ -59,6 +61,7 @@ def _every_collective(chunk_bytes):
     from hvdlike.core import shm_plane
 
     shm_plane.CHUNK_BYTES = chunk_bytes
+    shm_plane.ACROSS_MIN_BYTES = ACROSS_MIN_BYTES
     hvd.init()
     r, n = hvd.rank(), hvd.size()
     out = {"plane": _plane_kind(hvd)}
@@ -92,10 +95,13 @@ def _every_collective(chunk_bytes):
         for extra in TAIL_EXTRAS:
             out[("tail", dtype, extra)] = hvd.allreduce(
                 _value(r, dtype, 3 * per_chunk + extra), op=hvd.Sum, name=f"tail.{dtype}.{extra}")
-    # The reduce variant of the hierarchical plane, to the last member: only it reads results.
-    t = _value(r, "float32", 3 * n * plane._share_bytes // 4 + 5, 5)
-    plane._allreduce(t, shm_plane._reducer(None), root=n - 1)
-    out["root"] = t
+    # The reduce variant of the hierarchical plane, to the last member: only it reads
+    # results (chunked, then across).
+    out["across"] = plane.reads_across
+    for key, count in (("root", 3 * n * plane._share_bytes // 4 + 5), ("root_across", 10001)):
+        t = _value(r, "float32", count, 5)
+        plane._allreduce(t, shm_plane._reducer(None), root=n - 1)
+        out[key] = t
     big = _value(r, "float32", 3 * n + 2000)
     out["rs"] = hvd.reducescatter(big.reshape(-1, 1), op=hvd.Sum, name="rs")
     hvd.barrier()
@@ -159,10 +165,13 @@ def _check_every_collective(results, n):
             assert got[0].numel() > 3 * extra, (dtype, extra)
             for g in got:
                 assert torch.equal(g, got[0]) and torch.equal(g.to(torch.float64), want), (dtype, extra)
-    sent = [_value(r, "float32", results[0]["root"].numel(), 5) for r in range(n)]
-    assert torch.equal(results[n - 1]["root"], torch.stack(sent).sum(0))
-    for r in range(n - 1):
-        assert torch.equal(results[r]["root"], sent[r])  # not a reader: left as it was
+    assert len({res["across"] for res in results}) == 1  # every member takes the same path
+    for key in ("root", "root_across"):
+        sent = [_value(r, "float32", results[0][key].numel(), 5) for r in range(n)]
+        assert torch.equal(results[n - 1][key], torch.stack(sent).sum(0)), key
+        if key == "root":  # chunked: a member that does not read results keeps its input
+            for r in range(n - 1):
+                assert torch.equal(results[r][key], sent[r])
     total = torch.stack([_value(r, "float32", 3 * n + 2000) for r in range(n)]).sum(0)
     base, extra = divmod(total.numel(), n)
     start = 0

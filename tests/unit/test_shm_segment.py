@@ -92,3 +92,35 @@ def test_launcher_flag_turns_it_off():
     args = cli.build_parser().parse_args(["-np", "2", "--no-shm", "python", "x.py"])
     values = {k[len("knob_"):]: v for k, v in vars(args).items() if k.startswith("knob_")}
     assert knob_environment(values)["HVDLIKE_SHM"] == "0"
+
+
+def test_read_peer_copies_another_process_memory_and_fails_once_it_exited():
+    import ctypes
+
+    payload = bytes(range(256)) * 41  # odd length, not page aligned
+    source = ctypes.create_string_buffer(payload, len(payload))
+    r, w = os.pipe()
+    child = os.fork()
+    if child == 0:  # the forked copy of `source` lives at the same address in the child
+        os.close(r)
+        os.write(w, b"x")
+        os.close(w)
+        import time
+        time.sleep(30)  # killed below
+        os._exit(0)
+    os.close(w)
+    os.read(r, 1)
+    os.close(r)
+    target = ctypes.create_string_buffer(len(payload))
+    try:
+        try:
+            shm_segment.read_peer(child, ctypes.addressof(source), ctypes.addressof(target),
+                                  len(payload))
+        except OSError as exc:
+            pytest.skip(f"this host does not let a process read another's memory: {exc}")
+        assert target.raw == payload
+    finally:
+        os.kill(child, 9)
+        os.waitpid(child, 0)
+    with pytest.raises(OSError):
+        shm_segment.read_peer(child, ctypes.addressof(source), ctypes.addressof(target), 8)
