@@ -449,7 +449,15 @@ class Runtime:
                         if self._cycle_all():
                             self._agreed_stop = True
                     except BaseException as exc:
-                        self._explain(exc)
+                        # A cycle broken halfway (a peer failed, or Ctrl-C here)
+                        # leaves the ranks' control collectives out of step: the
+                        # job cannot go on. An interrupt still reaches the caller.
+                        if isinstance(exc, Exception):
+                            self._explain(exc)
+                        else:
+                            self.abort(f"{type(exc).__name__} in the middle of a negotiation "
+                                       "cycle")
+                            raise
                     finally:
                         self._last_cycle = time.monotonic()
                 finally:

@@ -232,3 +232,58 @@ def test_user_threads_blocked_on_handles_share_the_cycles(engine_env):
     for *_, cyclers in results:
         # Both the background thread and threads blocked on handles ran cycles.
         assert "hvdlike-background" in cyclers and any(c.startswith("user") for c in cyclers)
+
+
+def _interrupted_while_cycling():
+    import signal
+    import time
+
+    import hvdlike.torch as hvd
+
+    hvd.init()
+    rank = hvd.rank()
+    if rank == 1:
+        time.sleep(3)  # rank 0 is interrupted while it waits for this rank
+        try:
+            hvd.allreduce(torch.ones(4), name="late")
+            return "no error"
+        except hvd.HorovodInternalError as exc:
+            return str(exc)
+        finally:
+            hvd.shutdown()
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 1.0)
+    try:
+        hvd.allreduce(torch.ones(4), name="late")
+        caught = "no interrupt"
+    except KeyboardInterrupt:
+        caught = "KeyboardInterrupt"
+    except BaseException as exc:
+        caught = f"{type(exc).__name__}: {exc}"
+    try:
+        hvd.allreduce(torch.ones(4), name="after")
+        after = "no error"
+    except hvd.HorovodInternalError as exc:
+        after = str(exc)
+    hvd.shutdown()
+    return caught, after
+
+
+def test_ctrl_c_during_a_synchronous_collective_reaches_the_user_and_nothing_hangs():
+    (caught, after), peer = run_ranks(_interrupted_while_cycling, np=2, timeout=90)
+    assert caught == "KeyboardInterrupt"
+    if "KeyboardInterrupt in the middle of a negotiation cycle" in after:
+        # Interrupted inside a cycle it ran itself: the ranks' control collectives are
+        # out of step, so this rank refuses to go on and the peer's collective fails
+        # (instead of hanging), naming rank 0.
+        assert peer != "no error" and "rank 0" in peer, peer
+    else:
+        # Interrupted while waiting on the handle (the background thread was cycling):
+        # the collective completes in the background, as in Horovod, and the runtime
+        # goes on until the peer shuts down.
+        assert peer == "no error", peer
+        assert "rank 1" in after and "shut down" in after, after
