@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import secrets
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -248,7 +249,7 @@ class ShmDataGroup:
 
     def _attach(self, store) -> Segment:
         n = self.size
-        header = shm_segment.header_bytes(n, 16 * n + 16)
+        header = shm_segment.header_bytes(n, 16 * n + 24)
         total = header + 2 * (n + 1) * self.chunk_bytes
         segment = shm_segment.attach(store, "segment", self.settings.tag, self.rank, n, header,
                                      total, self.ranks, self.settings.start_timeout_seconds)
@@ -260,17 +261,23 @@ class ShmDataGroup:
         self.meta = torch.frombuffer(mm, dtype=torch.int64, offset=n * shm_segment.LINE,
                                      count=2 * n * n).view(2, n, n)
         # Per member: the address of its tensor in an allreduce read across
-        # (row 0), and whether it can read every other member's memory (row 1).
+        # (row 0); the setup probe's token (row 1) and verdict (row 2).
         self.across = torch.frombuffer(mm, dtype=torch.int64,
                                        offset=n * shm_segment.LINE + 16 * n * n,
-                                       count=2 * n).view(2, n)
+                                       count=3 * n).view(3, n)
         return segment
 
     def _probe_across(self) -> bool:
-        """Whether every member can read every other's memory (collective; two sync points)."""
+        """Whether every member can read every other's memory (collective; two sync points).
+
+        Each member reads a random token out of every other member's memory:
+        a member in another PID namespace, or a host that forbids the read,
+        turns the path off for all.
+        """
         n, me = self.size, self.rank
-        mine = torch.tensor([os.getpid()], dtype=torch.int64)
-        self.across[0, me] = mine.data_ptr()
+        token = torch.tensor([secrets.randbits(62) + 1], dtype=torch.int64)
+        self.across[0, me] = token.data_ptr()
+        self.across[1, me] = int(token)
         self._sync("setup")
         seen = torch.zeros(1, dtype=torch.int64)
         ok = True
@@ -282,10 +289,10 @@ class ShmDataGroup:
                 except OSError:
                     ok = False
                     break
-                ok = ok and seen.item() == self.pids[m]
-        self.across[1, me] = 1 if ok else 2
+                ok = ok and int(seen) == int(self.across[1, m])
+        self.across[2, me] = 1 if ok else 2
         self._sync("setup")
-        return all(v == 1 for v in self.across[1].tolist())
+        return all(v == 1 for v in self.across[2].tolist())
 
     # -- synchronisation ---------------------------------------------------------------
 

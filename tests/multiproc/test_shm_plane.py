@@ -187,15 +187,23 @@ def test_every_collective_and_dtype_matches_the_oracle(np):
     _check_every_collective(results, np)
 
 
-def _fused_training(chunk_bytes):
+def _fused_training(chunk_bytes, deny_reads_on=None):
     import hvdlike.torch as hvd
-    from hvdlike.core import shm_plane
+    from hvdlike.core import api, bootstrap, shm_plane, shm_segment
 
     shm_plane.CHUNK_BYTES = chunk_bytes
+    shm_plane.ACROSS_MIN_BYTES = 16 * 1024  # the fused 20 KB buffer is read across
+    if int(os.environ[bootstrap.ENV_RANK]) == deny_reads_on:  # as a host that forbids the reads would
+        def denied(*args):
+            raise PermissionError(1, "Operation not permitted")
+
+        shm_segment.read_peer = denied
     hvd.init()
     torch.manual_seed(hvd.rank())
     grads = [torch.randn(n) for n in (1, 33, 1000, 4099, 17)]
     out = {"plane": _plane_kind(hvd)}
+    plane = api.runtime().process_sets[0].groups.cpu_plane
+    out["across"] = getattr(plane, "reads_across", None)
     for step in range(3):
         handles = [hvd.allreduce_async(g * (step + 1), name=f"g{i}") for i, g in enumerate(grads)]
         out[step] = [hvd.synchronize(h) for h in handles]
@@ -205,12 +213,15 @@ def _fused_training(chunk_bytes):
 
 def test_fusion_on_and_off_give_identical_results():
     fused = run_ranks(_fused_training, np=2, args=(4096,), timeout=120)
-    unfused = run_ranks(_fused_training, np=2, args=(4096,), timeout=120,
+    # Unfused, and with rank 1 unable to read rank 0's memory: every allreduce is chunked.
+    unfused = run_ranks(_fused_training, np=2, args=(4096, 1), timeout=120,
                         env={"HVDLIKE_FUSION_THRESHOLD": "0"})
     gloo = run_ranks(_fused_training, np=2, args=(4096,), timeout=120,
                      env={"HVDLIKE_SHM": "0"})
     assert fused[0]["plane"] == "ShmDataGroup+ShmControlPlane"
     assert gloo[0]["plane"] == "gloo+GlooControlPlane"
+    assert [res["across"] for res in unfused] == [False, False]
+    assert fused[0]["across"] == fused[1]["across"]
     for step in range(3):
         per_rank = []
         for r in range(2):
