@@ -326,7 +326,7 @@ class ShmDataGroup:
         # member publishes chunk ``s``, reduces chunk ``s - 1`` and reads the
         # results of chunk ``s - 2``: chunks + 1 sync points in all. With
         # ``root`` only that member reads results (a reduce: the others'
-        # ``flat`` is left as it was).
+        # ``flat`` is left as it was, or, read across, holds their portion's result).
         count = flat.numel()
         if count == 0:
             return
