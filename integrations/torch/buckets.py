@@ -3,13 +3,23 @@
 A bucket is a flat buffer with one view per member parameter. Members are
 assigned at construction from the parameter list alone (so identically on
 every rank), in reverse registration order -- the order backward produces
-gradients -- so the first bucket can leave while backward still runs.
+gradients -- so the first buckets leave while backward still runs.
 
-Per gradient, the hook only counts (:meth:`Bucket.mark`); once every member
-is ready the bucket copies all gradients in with one batched call
-(:meth:`Bucket.pack`), and after the reduction copies them back out the same
-way (:meth:`Bucket.unpack`). Hundreds of small tensors thus cost a handful of
-torch calls instead of two per gradient.
+Per gradient, the hook only counts (the optimizer marks the member's slot);
+once every member is ready the bucket copies the gradients that are not yet
+in it with one batched call (:meth:`Bucket.pack`) and leaves as one
+allreduce. After the reduction each trainable member's ``.grad`` *is* its
+view into the buffer (:meth:`Bucket.unpack`), as with DDP's
+``gradient_as_bucket_view``: no copy back, and a gradient zeroed in place
+(``zero_grad(set_to_none=False)``) stays the view, so the next backward
+accumulates straight into the buffer and the pack copies nothing.
+
+A member whose gradient is something else when the bucket leaves (a fresh
+tensor after ``zero_grad(set_to_none=True)``, one the user assigned) is
+copied in; a sparse gradient travels on its own (its slot carries zeros)
+unless reduced as dense; a member frozen since construction carries zeros
+and keeps its ``.grad`` untouched. So a change of the graph between steps
+costs a copy, never a wrong sum.
 """
 
 from __future__ import annotations
@@ -39,24 +49,40 @@ def _copy_all(destinations: List[torch.Tensor], sources: List[torch.Tensor]) -> 
 
 
 class Bucket:
-    """A flat buffer holding several parameters' gradients, reduced as one tensor."""
+    """A flat buffer holding several parameters' gradients, reduced as one tensor.
 
-    def __init__(self, index: int, name: str, members: List[torch.Tensor]) -> None:
+    Attributes:
+        marked: per member, whether its gradient is final this round.
+        pending: members not marked yet; the bucket leaves when it reaches 0.
+        as_views: after a reduction, members' gradients become views of
+            ``flat`` (else the reduced values are copied into their own tensors).
+    """
+
+    def __init__(self, index: int, name: str, members: List[torch.Tensor],
+                 as_views: bool = True) -> None:
         self.index = index
         self.name = name
         self.members = members
         total = sum(p.numel() for p in members)
-        self.flat = torch.empty(total, dtype=members[0].dtype, device=members[0].device)
+        self.flat = torch.zeros(total, dtype=members[0].dtype, device=members[0].device)
         self.views = []
         offset = 0
         for p in members:
             self.views.append(self.flat[offset:offset + p.numel()].view(p.shape))
             offset += p.numel()
+        self.size = len(members)
+        self.as_views = as_views
+        # Set by the optimizer: True while one backward pass makes a step, so
+        # a member's hook may count it in without the per-pass bookkeeping.
+        self.direct = True
+        # A view has a contiguous layout; a parameter with other strides (channels
+        # last) keeps a gradient of its own layout, filled by a copy.
+        self._viewable = [as_views and p.is_contiguous() for p in members]
         self.reset()
 
     def reset(self) -> None:
-        self.marked = [False] * len(self.members)
-        self.pending = len(self.members)
+        self.marked = [False] * self.size
+        self.pending = self.size
 
     def mark(self, slot: int) -> bool:
         """Member ``slot``'s gradient is final for this round; True once all are."""
@@ -66,18 +92,24 @@ class Bucket:
         return self.pending == 0
 
     def pack(self, sparse: Callable[[torch.Tensor], Optional[torch.Tensor]]) -> None:
-        """Copy every member's gradient into the flat buffer (zeros where there is none).
+        """Bring every member's gradient into the flat buffer (zeros where there is none).
 
-        ``sparse(p)`` is called for a member holding a sparse gradient and
-        returns the dense gradient to pack, or None when the gradient travels
-        on its own (its slot then carries zeros).
+        A gradient that already is the member's view is in place. ``sparse(p)``
+        is called for a member holding a sparse gradient and returns the dense
+        gradient to pack, or None when the gradient travels on its own (its
+        slot then carries zeros).
         """
         destinations, sources = [], []
         for p, view in zip(self.members, self.views):
-            # A parameter frozen since construction contributes zeros, as it is not reduced.
-            grad = p.grad if p.requires_grad else None
-            if grad is not None and grad.is_sparse:
-                grad = sparse(p)
+            grad = p.grad
+            if grad is view:
+                if p.requires_grad:
+                    continue  # accumulated straight into the bucket
+                # Frozen since: it contributes zeros and keeps its own gradient.
+                p.grad = view.clone()
+                grad = None
+            elif grad is not None and (grad.is_sparse or not p.requires_grad):
+                grad = sparse(p) if p.requires_grad else None
             if grad is None:
                 view.zero_()
             else:
@@ -86,14 +118,19 @@ class Bucket:
         _copy_all(destinations, sources)
 
     def unpack(self) -> None:
-        """Copy the reduced values back into each trainable member's ``.grad``."""
+        """Hand the reduced values to each trainable member's ``.grad``."""
         destinations, sources = [], []
-        for p, view in zip(self.members, self.views):
+        for p, view, viewable in zip(self.members, self.views, self._viewable):
             if not p.requires_grad:
                 continue  # frozen since construction: its gradient is left alone
             grad = p.grad
+            if grad is view:
+                continue
             if grad is not None and grad.is_sparse:
                 continue  # reduced by its own sparse handle
+            if viewable:
+                p.grad = view
+                continue
             if grad is None:
                 grad = p.grad = torch.empty_like(p, memory_format=torch.preserve_format)
             destinations.append(grad)
@@ -101,14 +138,15 @@ class Bucket:
         _copy_all(destinations, sources)
 
 
-def plan(params: Iterable[torch.Tensor], names: Dict[torch.Tensor, str],
-         threshold: int) -> List[Bucket]:
+def plan(params: Iterable[torch.Tensor], names: Dict[torch.Tensor, str], threshold: int,
+         as_views: bool = True) -> List[Bucket]:
     """Buckets for the dense trainable ``params`` (in registration order).
 
     Gradients of ``min(threshold, BUCKET_CAP_BYTES, LARGE_GRADIENT_BYTES)``
     bytes or more, and sparse parameters, stay out. Buckets hold one dtype
     and device each, up to ``min(threshold, BUCKET_CAP_BYTES)`` bytes; a
-    threshold of 0 (fusion disabled) gives no buckets.
+    threshold of 0 (fusion disabled) gives no buckets. ``as_views``: see
+    :class:`Bucket`.
     """
     if threshold == 0:
         return []
@@ -136,5 +174,5 @@ def plan(params: Iterable[torch.Tensor], names: Dict[torch.Tensor, str],
         # The span of member names tells a stall report which gradients are late.
         first, last = names[members[0]], names[members[-1]]
         span = first if len(members) == 1 else f"{first}..{last}"
-        buckets.append(Bucket(i, f"DistributedOptimizer.bucket.{i}.{span}", members))
+        buckets.append(Bucket(i, f"DistributedOptimizer.bucket.{i}.{span}", members, as_views))
     return buckets

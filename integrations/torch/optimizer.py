@@ -7,11 +7,13 @@ asynchronous allreduce, so communication overlaps the rest of the backward
 pass. ``step()`` waits for the reductions, then runs the wrapped optimizer.
 
 Small dense gradients (op Average or Sum, no ``groups``) travel in *buckets*:
-each hook copies its gradient into a flat buffer shared with its neighbours
-and the full buffer leaves as one allreduce, which saves the per-gradient
-cost of a request on models with many small tensors. Buckets are assigned at
-construction, identically on every rank; ``synchronize()`` completes a bucket
-with zeros for the gradients this rank did not produce.
+each hook only counts its gradient in, and once a bucket's gradients are all
+there they are copied into its flat buffer in one call and the buffer leaves
+as one allreduce, which saves the per-gradient cost of a request on models
+with many small tensors. Buckets are assigned at construction, identically on
+every rank; ``synchronize()`` completes a bucket with zeros for the gradients
+this rank did not produce. After the reduction a bucket member's ``.grad`` is
+its view into the bucket (``gradient_as_bucket_view``, see buckets.py).
 
 A *round* of gradient reduction opens with the first hook after the last
 synchronization and closes at ``synchronize()``. When the round closes,
@@ -27,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 import weakref
-from typing import Dict, Iterable, List, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -53,7 +55,7 @@ class _Distributed:
 
     def _hvd_setup(self, named_parameters, compression, backward_passes_per_step, op,
                    gradient_predivide_factor, num_groups, groups, sparse_as_dense,
-                   process_set) -> None:
+                   process_set, gradient_as_bucket_view) -> None:
         self._hvd_compression = compression
         self._hvd_k = backward_passes_per_step
         self._hvd_op = op
@@ -93,12 +95,18 @@ class _Distributed:
         self._hvd_group_of: Dict[int, int] = {}
         self._hvd_groups: List[List[torch.Tensor]] = []
         self._hvd_group_ready: Dict[int, set] = {}
-        self._hvd_register_all()
-        self._hvd_build_groups(num_groups, groups)
         self._hvd_buckets: List[_buckets.Bucket] = []
         self._hvd_bucket_of: Dict[int, Tuple[_buckets.Bucket, int]] = {}
+        # What _hvd_register_all saw last: the param lists (identity, length),
+        # the parameters it could not hook (frozen) and those outside buckets
+        # and groups, which synchronize() completes one by one.
+        self._hvd_signature: object = None
+        self._hvd_unhooked: List[torch.Tensor] = []
+        self._hvd_loose: List[torch.Tensor] = []
+        self._hvd_register_all()
+        self._hvd_build_groups(num_groups, groups)
         if op != ops.Adasum and not self._hvd_groups:
-            self._hvd_build_buckets()
+            self._hvd_build_buckets(gradient_as_bucket_view)
 
     @property
     def _parameter_names(self) -> Dict[torch.Tensor, str]:
@@ -117,15 +125,33 @@ class _Distributed:
                 yield gi, pi, p
 
     def _hvd_register_all(self) -> None:
-        named = self._hvd_named
+        """Name every parameter and hook every trainable one.
+
+        Runs at every synchronization so that a parameter added (to
+        ``param_groups``) or unfrozen since is reduced too; when neither
+        happened it only compares the parameter lists and the frozen ones.
+        """
+        signature = [(id(g["params"]), len(g["params"])) for g in self.param_groups]
+        if signature == self._hvd_signature and not any(
+                p.requires_grad for p in self._hvd_unhooked):
+            return
+        self._hvd_signature = signature
+        named, hooks, included = self._hvd_named, self._hvd_hooks, self._hvd_included
+        unhooked, loose = [], []
         for gi, pi, p in self._hvd_params():
             key = id(p)  # parameters stay alive in param_groups, so ids stay theirs
             if key not in named:
                 named.add(key)
                 self._hvd_names[p] = self._hvd_prefix + self._hvd_user_names.get(
                     p, f"DistributedOptimizer.noname.{gi}.{pi}")
-            if p.requires_grad and key not in self._hvd_hooks and self._hvd_included:
-                self._hvd_hooks[key] = _take_over(p, self)
+            if key not in hooks and included:
+                if p.requires_grad:
+                    hooks[key] = _take_over(p, self, self._hvd_bucket_of.get(key))
+                else:
+                    unhooked.append(p)
+            if key not in self._hvd_bucket_of and key not in self._hvd_group_of:
+                loose.append(p)
+        self._hvd_unhooked, self._hvd_loose = unhooked, loose
 
     def _hvd_build_groups(self, num_groups, groups) -> None:
         dense = [p for _, _, p in self._hvd_params() if p.requires_grad]
@@ -161,14 +187,23 @@ class _Distributed:
             member_lists = []
         self._hvd_groups = member_lists
 
-    def _hvd_build_buckets(self) -> None:
+    def _hvd_build_buckets(self, as_views: bool) -> None:
         """Pack dense trainable parameters into flat buckets (see buckets.py)."""
         threshold = _core_api.runtime().config.fusion_threshold
         params = [p for _, _, p in self._hvd_params()]
-        self._hvd_buckets = _buckets.plan(params, self._hvd_names, threshold)
+        self._hvd_buckets = _buckets.plan(params, self._hvd_names, threshold, as_views)
         for bucket in self._hvd_buckets:
+            bucket.direct = self._hvd_k == 1
             for slot, p in enumerate(bucket.members):
-                self._hvd_bucket_of[id(p)] = (bucket, slot)
+                where = self._hvd_bucket_of[id(p)] = (bucket, slot)
+                if id(p) in self._hvd_hooks:  # hooked before its bucket existed
+                    self._hvd_hooks[id(p)] = _take_over(p, self, where)
+        self._hvd_signature = None  # bucket members are no longer loose
+        self._hvd_register_all()
+
+    def _hvd_open(self) -> bool:
+        """Whether a backward pass produced gradients since the last synchronization."""
+        return self._hvd_round_open or any(b.pending != b.size for b in self._hvd_buckets)
 
     def _hvd_sparse_in_bucket(self, p: torch.Tensor):
         """The dense gradient a bucket packs for ``p``'s sparse one (None: sent alone)."""
@@ -196,10 +231,13 @@ class _Distributed:
             # The common case, kept short: a bucket member's slot says whether
             # its hook already fired this round.
             bucket, slot = where
-            if bucket.marked[slot]:
+            marked = bucket.marked
+            if marked[slot]:
                 raise RuntimeError(_HOOK_OVERFLOW.format(name=self._hvd_names[p], k=1))
+            marked[slot] = True
             self._hvd_round_open = True
-            if bucket.mark(slot):
+            bucket.pending -= 1
+            if not bucket.pending:
                 self._hvd_launch_bucket(bucket)
             return
         count = self._hvd_passes.get(key, 0) + 1
@@ -269,7 +307,7 @@ class _Distributed:
         """
         self._hvd_register_all()  # parameters unfrozen or added since
         self._hvd_synchronized = True
-        if not self._hvd_round_open or not self._hvd_included:
+        if not self._hvd_included or not self._hvd_open():
             return
         launched_groups = {k[1] for k in self._hvd_handles if isinstance(k, tuple)
                            and k[0] == "group"}
@@ -281,10 +319,8 @@ class _Distributed:
             if bucket.pending:
                 bucket.pending = 0
                 self._hvd_launch_bucket(bucket)
-        for _, _, p in self._hvd_params():
-            key = id(p)
-            if (p.requires_grad and key not in self._hvd_handles
-                    and key not in self._hvd_group_of and key not in self._hvd_bucket_of):
+        for p in self._hvd_loose:
+            if p.requires_grad and id(p) not in self._hvd_handles:
                 self._hvd_launch(p)
         handles, self._hvd_handles = self._hvd_handles, {}
         self._hvd_reset_buckets()
@@ -323,10 +359,12 @@ class _Distributed:
         """Change ``backward_passes_per_step`` (between steps, on every rank alike)."""
         if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
             raise ValueError(f"backward_passes_per_step must be an int >= 1, got {passes!r}")
-        if self._hvd_round_open:
+        if self._hvd_open():
             raise RuntimeError("set_backward_passes_per_step() during an accumulation: call "
                                "step() or synchronize() first")
         self._hvd_k = passes
+        for bucket in self._hvd_buckets:
+            bucket.direct = passes == 1
 
     @contextlib.contextmanager
     def skip_synchronize(self):
@@ -349,7 +387,7 @@ class _Distributed:
                               "synchronization is a no-op; wrap step() in "
                               "skip_synchronize() to say so", stacklevel=2)
             self.synchronize()
-        elif self._hvd_round_open:
+        elif self._hvd_open():
             warnings.warn("DistributedOptimizer.step() inside skip_synchronize() after a "
                           "backward pass that was not synchronized: call synchronize() first "
                           "or the ranks' gradients differ", stacklevel=2)
@@ -371,7 +409,7 @@ class _Distributed:
     step.hooked = True  # torch's profiling wrapper already wraps the base class's step
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self._hvd_handles or any(b.pending < len(b.members) for b in self._hvd_buckets):
+        if self._hvd_handles or any(b.pending < b.size for b in self._hvd_buckets):
             raise RuntimeError(
                 "DistributedOptimizer.zero_grad() was called after backward() but before "
                 "step() or synchronize(): gradients are still being reduced; call step() "
@@ -390,12 +428,14 @@ class _Distributed:
 _CLASSES: Dict[type, type] = {}
 
 
-def _take_over(p: torch.Tensor, optimizer: _Distributed):
+def _take_over(p: torch.Tensor, optimizer: _Distributed,
+               where: Optional[Tuple[_buckets.Bucket, int]] = None):
     """Register ``optimizer``'s hook on ``p``, removing an earlier optimizer's.
 
     Re-wrapping the same parameters (a new optimizer after a checkpoint load)
     must not leave the old hook reducing ``p.grad`` in place a second time.
     The hook holds the optimizer weakly, so a dropped optimizer goes quiet.
+    ``where`` is ``p``'s bucket and slot, if it has one.
     """
     # Stored on the parameter itself: tensors cannot key a weak dict (== is elementwise).
     old = getattr(p, "_hvdlike_hook", None)
@@ -407,10 +447,31 @@ def _take_over(p: torch.Tensor, optimizer: _Distributed):
             previous._hvd_hooks.pop(id(p), None)
     ref = weakref.ref(optimizer)
 
-    def hook(param: torch.Tensor) -> None:
-        owner = ref()
-        if owner is not None:
-            owner._hvd_hook(param)
+    if where is None:
+        def hook(param: torch.Tensor) -> None:
+            owner = ref()
+            if owner is not None:
+                owner._hvd_hook(param)
+    else:
+        bucket, slot = where
+
+        def hook(param: torch.Tensor) -> None:
+            # Hundreds of these run per step: the common case (one pass per
+            # step, first time this round) only counts the member in, and
+            # the last member sends the bucket. Anything else takes the full path.
+            marked = bucket.marked
+            if bucket.direct and not marked[slot]:
+                marked[slot] = True
+                bucket.pending -= 1
+                if bucket.pending:
+                    return
+                owner = ref()
+                if owner is not None:
+                    owner._hvd_launch_bucket(bucket)
+                return
+            owner = ref()
+            if owner is not None:
+                owner._hvd_hook(param)
 
     handle = p.register_post_accumulate_grad_hook(hook)
     p._hvdlike_hook = (handle, ref)
@@ -461,7 +522,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                          backward_passes_per_step: int = 1, op=ops.Average,
                          gradient_predivide_factor: float = 1.0, num_groups: int = 0,
                          groups=None, sparse_as_dense: bool = False,
-                         process_set=global_process_set):
+                         process_set=global_process_set, gradient_as_bucket_view: bool = True):
     """Wrap ``optimizer`` so that gradients are averaged across ranks before each step.
 
     Args:
@@ -483,6 +544,14 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         sparse_as_dense: reduce sparse gradients as dense tensors instead of
             gathering their indices and values.
         process_set: reduce among the ranks of this process set only.
+        gradient_as_bucket_view: after each reduction, the ``.grad`` of a
+            parameter whose gradient travels in a bucket is a view into the
+            bucket's buffer, so the reduced values are not copied back and a
+            gradient zeroed in place (``zero_grad(set_to_none=False)``) is
+            accumulated into the buffer directly. A gradient tensor kept from
+            an earlier step is then overwritten by the next one's reduction.
+            ``False`` copies reduced values into each parameter's own
+            gradient tensor instead.
 
     Returns:
         An optimizer of the same class as ``optimizer`` (a dynamic subclass)
@@ -523,5 +592,5 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     wrapped.__dict__.update(optimizer.__dict__)
     wrapped._hvd_setup(named_parameters, compression, backward_passes_per_step, op,
                        gradient_predivide_factor, num_groups, groups, sparse_as_dense,
-                       process_set)
+                       process_set, gradient_as_bucket_view)
     return wrapped

@@ -326,3 +326,90 @@ def test_gradients_travel_in_one_bucket_and_come_back_to_each_parameter():
     with pytest.raises(RuntimeError, match="before step"):
         opt.zero_grad()
     opt.step()
+
+
+def _bucketed():
+    m = _model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                   named_parameters=m.named_parameters())
+    assert len(opt._hvd_buckets) == 1
+    return m, opt, opt._hvd_buckets[0]
+
+
+def _are_views(bucket):
+    return [p.grad is view for p, view in zip(bucket.members, bucket.views)]
+
+
+def test_gradients_become_bucket_views_and_survive_zero_grad(monkeypatch):
+    m, opt, bucket = _bucketed()
+    copied = []
+    copy_all = buckets_module._copy_all
+    monkeypatch.setattr(buckets_module, "_copy_all",
+                        lambda dst, src: (copied.append(len(dst)) if dst else None,
+                                          copy_all(dst, src)))
+    _loss(m).backward()
+    expected = [p.grad.clone() for p in bucket.members]
+    opt.step()
+    assert copied == [4]  # the fresh gradients went in once; nothing came back out
+    assert all(_are_views(bucket))
+    assert all(torch.equal(p.grad, e) for p, e in zip(bucket.members, expected))
+
+    opt.zero_grad(set_to_none=False)
+    assert all(_are_views(bucket)) and not bucket.flat.any()
+    torch.manual_seed(3)
+    loss = _loss(m)
+    expected = torch.autograd.grad(loss, bucket.members, retain_graph=True)
+    copied.clear()
+    loss.backward()  # accumulates into the views: the bucket needs no copy
+    opt.synchronize()
+    assert copied == [] and all(_are_views(bucket))
+    assert all(torch.equal(p.grad, e) for p, e in zip(bucket.members, expected))
+    with opt.skip_synchronize():
+        opt.step()
+
+    opt.zero_grad()  # set_to_none=True, torch's default: gradients are gone
+    assert all(p.grad is None for p in m.parameters())
+    _loss(m).backward()
+    fresh = [p.grad.clone() for p in bucket.members]
+    opt.step()
+    assert all(_are_views(bucket))
+    assert all(torch.equal(p.grad, e) for p, e in zip(bucket.members, fresh))
+
+
+def test_bucket_view_fallbacks_keep_every_gradient_right():
+    m, opt, bucket = _bucketed()
+    _loss(m).backward()
+    opt.step()
+    # A parameter frozen since keeps its own gradient, untouched by later rounds.
+    frozen = m[0].weight
+    frozen.requires_grad_(False)
+    kept = frozen.grad.clone()
+    for p in m.parameters():
+        if p.requires_grad:
+            p.grad = None
+    # A gradient the user replaced is accumulated into, travels and comes back.
+    m[2].bias.grad = torch.full_like(m[2].bias, 7.0)
+    loss = _loss(m)
+    others = [p for p in bucket.members if p.requires_grad and p is not m[2].bias]
+    expected = torch.autograd.grad(loss, others + [m[2].bias], retain_graph=True)
+    loss.backward()
+    opt.step()
+    assert frozen.grad is not bucket.views[opt._hvd_bucket_of[id(frozen)][1]]
+    assert torch.equal(frozen.grad, kept)
+    for p, e in zip(others, expected):
+        assert torch.equal(p.grad, e)
+    assert torch.equal(m[2].bias.grad, expected[-1] + 7.0)
+    assert all(p.grad is bucket.views[opt._hvd_bucket_of[id(p)][1]] for p in others)
+
+
+def test_gradient_as_bucket_view_false_copies_into_own_tensors():
+    m = _model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                   named_parameters=m.named_parameters(),
+                                   gradient_as_bucket_view=False)
+    bucket = opt._hvd_buckets[0]
+    _loss(m).backward()
+    own = [p.grad for p in bucket.members]
+    opt.step()
+    assert not any(_are_views(bucket))
+    assert all(p.grad is g for p, g in zip(bucket.members, own))
