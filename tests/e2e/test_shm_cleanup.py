@@ -9,31 +9,40 @@ import pytest
 from .conftest import TRAINING, finish, kill_session, start, wait_ready, wait_until_gone
 
 
-def _ours():
-    return {n for n in os.listdir("/dev/shm") if n.startswith("hvdlike-")}
+def _ours(pids):
+    """Segments created by one of ``pids`` (names end ``-<creator pid>-<n>-<random>``).
+
+    Other tests running alongside create and drop segments of their own jobs.
+    """
+    names = set()
+    for name in os.listdir("/dev/shm"):
+        parts = name.rsplit("-", 3)
+        if name.startswith("hvdlike-") and len(parts) == 4 and parts[1] in pids:
+            names.add(name)
+    return names
 
 
 @pytest.mark.parametrize("victim", ["launcher", "rank"])
 def test_nothing_left_in_dev_shm_when_the_launcher_or_a_rank_is_killed(marker, victim):
-    before = _ours()
     (marker / "job.py").write_text(textwrap.dedent(TRAINING))
     proc = start(["-np", "3", "--grace-period-seconds", "2", "python", str(marker / "job.py")])
     try:
         wait_ready(marker, 3, proc, timeout=90)
         pids = [int((marker / f"ready.{r}").read_text()) for r in range(3)]
+        ranks = {str(pid) for pid in pids}
         for pid in pids:
             with open(f"/proc/{pid}/maps") as f:
                 lines = [line for line in f if "/dev/shm/hvdlike-" in line]
             # The plane is in use, and its name is already gone from /dev/shm.
             assert lines and all(line.rstrip().endswith("(deleted)") for line in lines), lines
-        assert _ours() - before == set()
+        assert _ours(ranks) == set()
         os.kill(proc.pid if victim == "launcher" else pids[1], signal.SIGKILL)
         code, out, err = finish(proc, timeout=60)
     finally:
         kill_session(proc.pid)
     assert code != 0
     assert not wait_until_gone(str(marker), timeout=30)
-    assert _ours() - before == set()
+    assert _ours(ranks) == set()
 
 
 def test_no_shm_flag_keeps_gloo(marker):
