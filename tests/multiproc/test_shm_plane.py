@@ -268,8 +268,19 @@ def test_process_set_subset_uses_its_own_segment():
         assert torch.equal(res["all"], torch.full((3,), 3.0))
 
 
-def _ours():
-    return {n for n in os.listdir("/dev/shm") if n.startswith("hvdlike-")}
+def _created_by(pids):
+    """Segments in /dev/shm created by one of ``pids`` (a set's member 0 creates them).
+
+    Names end ``-<creator pid>-<n>-<random>``; tests running alongside create
+    and drop segments of their own.
+    """
+    pids = {str(p) for p in pids}
+    names = set()
+    for name in os.listdir("/dev/shm"):
+        parts = name.rsplit("-", 3)
+        if name.startswith("hvdlike-") and len(parts) == 4 and parts[1] in pids:
+            names.add(name)
+    return names
 
 
 def _reinit_and_count_maps():
@@ -283,14 +294,13 @@ def _reinit_and_count_maps():
 
     gc.collect()
     with open(f"/proc/{os.getpid()}/maps") as f:
-        return sum(1 for line in f if "/dev/shm/hvdlike-" in line)
+        return sum(1 for line in f if "/dev/shm/hvdlike-" in line), os.getpid()
 
 
 def test_clean_shutdown_and_reinit_leave_nothing():
-    before = _ours()
-    maps = run_ranks(_reinit_and_count_maps, np=2, timeout=120)
-    assert maps == [0, 0]  # every segment of the three runtimes is unmapped
-    assert _ours() - before == set()
+    results = run_ranks(_reinit_and_count_maps, np=2, timeout=120)
+    assert [maps for maps, _ in results] == [0, 0]  # every segment of the 3 runtimes is unmapped
+    assert _created_by(pid for _, pid in results) == set()
 
 
 def _killed_inside_shm_collective():
@@ -299,6 +309,7 @@ def _killed_inside_shm_collective():
     from hvdlike.core.errors import HorovodInternalError
 
     hvd.init()
+    print("PID", os.getpid(), flush=True)
     hvd.allreduce(torch.ones(10), name="warm")
     if hvd.rank() == 1:
         def die(self, what):
@@ -316,7 +327,6 @@ def _killed_inside_shm_collective():
 
 
 def test_rank_killed_inside_a_shm_collective_is_named_and_nothing_is_left():
-    before = _ours()
     codes, outputs = run_ranks(_killed_inside_shm_collective, np=2, expect_failure=True,
                                timeout=60, env={"HVDLIKE_GLOO_TIMEOUT_SECONDS": "20"})
     assert codes[1] == -signal.SIGKILL, outputs
@@ -325,7 +335,8 @@ def test_rank_killed_inside_a_shm_collective_is_named_and_nothing_is_left():
     assert float(out.split("ELAPSED")[1].split()[0]) < 20, out
     message = out.split("MESSAGE")[1].split("\n")[0]
     assert "rank 1" in message, message
-    assert _ours() - before == set()
+    pids = [int(o.split("PID")[1].split()[0]) for o in outputs.values() if "PID" in o]
+    assert pids and _created_by(pids) == set()
 
 
 def _bare_plane(behaviour):
