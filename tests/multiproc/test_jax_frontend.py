@@ -163,9 +163,13 @@ def _bad_input(hvd):
     # A name held by another front end: the clash names both.
     import hvdlike.numpy as hnp
 
-    held = hnp.allreduce_async(np.ones(2), name="held")
-    catch("mixed", lambda: hvd.allreduce_async(jnp.ones(2), name="held"))
+    # Each rank's own name stays in flight until the other rank submits it too.
+    mine, other = f"held.{hvd.rank()}", f"held.{1 - hvd.rank()}"
+    held = hnp.allreduce_async(np.ones(2), name=mine)
+    catch("mixed", lambda: hvd.allreduce_async(jnp.ones(2), name=mine))
+    released = hnp.allreduce_async(np.ones(2), name=other)
     hnp.synchronize(held)
+    hnp.synchronize(released)
     errors["after"] = np.asarray(hvd.allreduce(jnp.ones(2), op=hvd.Sum)).tolist()
     return errors
 
@@ -187,7 +191,7 @@ def _check_errors(errors):
     assert kind != "no error" and "same shape" in msg
     kind, msg = errors["mixed"]
     assert kind == "DuplicateNameError" and "hvdlike.jax.allreduce" in msg
-    assert "'held'" in msg and "hvdlike.numpy" in msg
+    assert "'held." in msg and "hvdlike.numpy" in msg
     assert errors["after"] == [2.0, 2.0]
 
 
