@@ -255,6 +255,8 @@ _MPI_DTYPES = (torch.float32, torch.float64, torch.int32, torch.int64, torch.uin
 class MpiDataGroup:
     """CPU allreduce and broadcast on MPI, the rest on the set's Gloo group."""
 
+    scales = False  # allreduce() takes no ``post`` (see ShmDataGroup)
+
     def __init__(self, comm, gloo: Callable[[], object]):
         self.comm = comm
         self._gloo = gloo

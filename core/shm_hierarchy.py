@@ -109,6 +109,8 @@ class HierarchicalGroup:
         allreduce, allgather: which kinds run hierarchically.
     """
 
+    scales = False  # allreduce() takes no ``post`` (see ShmDataGroup)
+
     def __init__(self, layout: Sequence[Sequence[int]], rank: int,
                  local: Optional[ShmDataGroup], cross, gloo: Callable[[], object],
                  allreduce: bool, allgather: bool):

@@ -155,13 +155,14 @@ def host_members(store, settings_: Settings, rank: int, size: int) -> List[int]:
 class _Work:
     """A collective run by ``wait()`` (on the launching thread, see ``inline``)."""
 
-    __slots__ = ("_run", "_done")
+    __slots__ = ("_run", "_done", "scaled")
     inline = True  # run by the launching thread, in launch order (Executor._submit)
     engine = "SHM"  # the timeline's name for the transfer (SHM_ALLREDUCE...)
 
-    def __init__(self, run: Callable[[], None]):
+    def __init__(self, run: Callable[[], None], scaled: bool = False):
         self._run = run
         self._done = False
+        self.scaled = scaled  # the allreduce applied the caller's ``post`` itself
 
     def wait(self, timeout=None) -> bool:
         if not self._done:
@@ -310,14 +311,22 @@ class ShmDataGroup:
 
     # -- collectives ---------------------------------------------------------------------
 
-    def allreduce(self, tensors, opts=None):
+    # allreduce() takes ``post``: an in-place function (the average's division,
+    # a postscale) applied to the reduced values by the member that reduced
+    # them, before the others read them, instead of a pass of every member
+    # over the whole result afterwards. The returned work's ``scaled`` says
+    # whether it was applied (not on the Gloo fallback).
+    scales = True
+
+    def allreduce(self, tensors, opts=None, post: Optional[Callable[[torch.Tensor], None]] = None):
         reduce = _reducer(opts)
         if len(tensors) != 1 or reduce is None or not tensors[0].is_contiguous():
             return self._gloo().allreduce(tensors, opts)
         flat = tensors[0].reshape(-1)
-        return _Work(lambda: self._allreduce(flat, reduce))
+        return _Work(lambda: self._allreduce(flat, reduce, post=post), scaled=post is not None)
 
-    def _allreduce(self, flat: torch.Tensor, reduce, root: Optional[int] = None) -> None:
+    def _allreduce(self, flat: torch.Tensor, reduce, root: Optional[int] = None,
+                   post: Optional[Callable[[torch.Tensor], None]] = None) -> None:
         # Per chunk, member ``me`` owns portion ``me``: it publishes the other
         # portions, reduces its own from its private copy and the others'
         # publications (in member order, so the result does not depend on who
@@ -333,9 +342,11 @@ class ShmDataGroup:
         size = flat.element_size()
         if count * size <= min(self.chunk_bytes, ONE_SYNC_BYTES):
             self._allreduce_small(flat, reduce)
+            if post is not None:
+                post(flat)
             return
         if self.reads_across and count * size >= ACROSS_MIN_BYTES:
-            self._allreduce_across(flat, reduce, root)
+            self._allreduce_across(flat, reduce, root, post)
             return
         share = self._share_bytes // size
         per_chunk = self.size * share
@@ -346,7 +357,7 @@ class ShmDataGroup:
             if start < count:
                 publishing = self._publish(flat[start:start + per_chunk], share)
             if reducing is not None:
-                self._reduce_portion(reducing, share, reduce, reads)
+                self._reduce_portion(reducing, share, reduce, reads, post)
             if reading is not None and reads:
                 self._read_results(reading, share)
             self._sync("allreduce")
@@ -376,7 +387,8 @@ class ShmDataGroup:
                 at += share
         return chunk, area, bounds
 
-    def _reduce_portion(self, published: tuple, share: int, reduce, keep: bool) -> None:
+    def _reduce_portion(self, published: tuple, share: int, reduce, keep: bool,
+                        post: Optional[Callable[[torch.Tensor], None]] = None) -> None:
         chunk, area, bounds = published
         n, me = self.size, self.rank
         lo, hi = bounds[me]
@@ -392,6 +404,8 @@ class ShmDataGroup:
         results = n * (n - 1) * share
         result = area[results + lo:results + hi]
         reduce(parts, result)
+        if post is not None:
+            post(result)
         if keep:
             chunk[lo:hi].copy_(result)
 
@@ -402,7 +416,8 @@ class ShmDataGroup:
             if m != self.rank and b > a:
                 chunk[a:b].copy_(area[results + a:results + b])
 
-    def _allreduce_across(self, flat: torch.Tensor, reduce, root: Optional[int]) -> None:
+    def _allreduce_across(self, flat: torch.Tensor, reduce, root: Optional[int],
+                          post: Optional[Callable[[torch.Tensor], None]] = None) -> None:
         # Each member publishes its tensor's address; sync; reduces its own
         # portion, a block at a time, from its tensor and the blocks it reads
         # out of the others' tensors (in member order, like the chunked path:
@@ -436,6 +451,8 @@ class ShmDataGroup:
             else:
                 reduce(parts, spare[me, :b - a])
                 flat[a:b].copy_(spare[me, :b - a])
+            if post is not None:
+                post(flat[a:b])
         self._sync("allreduce")
         if root is None or me == root:
             for m, (a, b) in enumerate(bounds):
