@@ -6,20 +6,9 @@ import textwrap
 
 import pytest
 
+from tests.shm_names import created_by
+
 from .conftest import TRAINING, finish, kill_session, start, wait_ready, wait_until_gone
-
-
-def _ours(pids):
-    """Segments created by one of ``pids`` (names end ``-<creator pid>-<n>-<random>``).
-
-    Other tests running alongside create and drop segments of their own jobs.
-    """
-    names = set()
-    for name in os.listdir("/dev/shm"):
-        parts = name.rsplit("-", 3)
-        if name.startswith("hvdlike-") and len(parts) == 4 and parts[1] in pids:
-            names.add(name)
-    return names
 
 
 @pytest.mark.parametrize("victim", ["launcher", "rank"])
@@ -35,14 +24,14 @@ def test_nothing_left_in_dev_shm_when_the_launcher_or_a_rank_is_killed(marker, v
                 lines = [line for line in f if "/dev/shm/hvdlike-" in line]
             # The plane is in use, and its name is already gone from /dev/shm.
             assert lines and all(line.rstrip().endswith("(deleted)") for line in lines), lines
-        assert _ours(ranks) == set()
+        assert created_by(ranks) == set()
         os.kill(proc.pid if victim == "launcher" else pids[1], signal.SIGKILL)
         code, out, err = finish(proc, timeout=60)
     finally:
         kill_session(proc.pid)
     assert code != 0
     assert not wait_until_gone(str(marker), timeout=30)
-    assert _ours(ranks) == set()
+    assert created_by(ranks) == set()
 
 
 def test_no_shm_flag_keeps_gloo(marker):

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.multiproc.harness import run_ranks
+from tests.shm_names import created_by
 
 DTYPES = ["float16", "bfloat16", "float32", "float64", "int8", "int16", "int32", "int64",
           "uint8", "bool"]
@@ -268,21 +269,6 @@ def test_process_set_subset_uses_its_own_segment():
         assert torch.equal(res["all"], torch.full((3,), 3.0))
 
 
-def _created_by(pids):
-    """Segments in /dev/shm created by one of ``pids`` (a set's member 0 creates them).
-
-    Names end ``-<creator pid>-<n>-<random>``; tests running alongside create
-    and drop segments of their own.
-    """
-    pids = {str(p) for p in pids}
-    names = set()
-    for name in os.listdir("/dev/shm"):
-        parts = name.rsplit("-", 3)
-        if name.startswith("hvdlike-") and len(parts) == 4 and parts[1] in pids:
-            names.add(name)
-    return names
-
-
 def _reinit_and_count_maps():
     import hvdlike.torch as hvd
 
@@ -300,7 +286,7 @@ def _reinit_and_count_maps():
 def test_clean_shutdown_and_reinit_leave_nothing():
     results = run_ranks(_reinit_and_count_maps, np=2, timeout=120)
     assert [maps for maps, _ in results] == [0, 0]  # every segment of the 3 runtimes is unmapped
-    assert _created_by(pid for _, pid in results) == set()
+    assert created_by(pid for _, pid in results) == set()
 
 
 def _killed_inside_shm_collective():
@@ -336,7 +322,7 @@ def test_rank_killed_inside_a_shm_collective_is_named_and_nothing_is_left():
     message = out.split("MESSAGE")[1].split("\n")[0]
     assert "rank 1" in message, message
     pids = [int(o.split("PID")[1].split()[0]) for o in outputs.values() if "PID" in o]
-    assert pids and _created_by(pids) == set()
+    assert pids and created_by(pids) == set()
 
 
 def _bare_plane(behaviour):
