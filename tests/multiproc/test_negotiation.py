@@ -190,12 +190,15 @@ def _misuse():
             call()
         except (TypeError, ValueError) as exc:
             errors[key] = str(exc)
-    first = hvd.allreduce_async(torch.ones(1), name="dup")
+    # Each rank's own name stays in flight until the other rank submits it too.
+    first = hvd.allreduce_async(torch.ones(1), name=f"dup.{r}")
     try:
-        hvd.allreduce_async(torch.ones(1), name="dup")
+        hvd.allreduce_async(torch.ones(1), name=f"dup.{r}")
     except DuplicateNameError as exc:
         errors["duplicate"] = str(exc)
+    other = hvd.allreduce_async(torch.ones(1), name=f"dup.{1 - r}")
     hvd.synchronize(first)
+    hvd.synchronize(other)
     hvd.shutdown()
     try:
         hvd.allreduce(torch.ones(1))
@@ -215,7 +218,7 @@ def test_misuse_gives_clear_errors():
         assert "splits" in errors["bad_splits"]
         assert "Max" in errors["bad_op"]
         assert "complex64" in errors["bad_dtype"]
-        assert "'dup'" in errors["duplicate"] and "in flight" in errors["duplicate"]
+        assert "'dup." in errors["duplicate"] and "in flight" in errors["duplicate"]
         assert "init()" in errors["after_shutdown"]
         assert errors["reinit_sum"] == 3.0
 

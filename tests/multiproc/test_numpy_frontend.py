@@ -158,10 +158,14 @@ def _bad_input():
     catch("splits", lambda: hvd.alltoall(np.ones(3), splits=[1, 1]))
     catch("badop", lambda: hvd.allreduce(np.ones(2), op=3.5))
     catch("adasum", lambda: hvd.allreduce(np.ones(2), op=hvd_torch.Adasum))
-    # Mixing front ends on one name: torch holds "shared" while numpy asks for it.
-    handle = hvd_torch.allreduce_async(torch.ones(2), name="shared")
-    catch("mixed", lambda: hvd.allreduce_async(np.ones(2), name="shared"))
+    # Mixing front ends on one name: torch holds "shared.<rank>" while numpy asks for
+    # it; each rank's own name stays in flight until the other rank submits it too.
+    mine, other = f"shared.{hvd.rank()}", f"shared.{1 - hvd.rank()}"
+    handle = hvd_torch.allreduce_async(torch.ones(2), name=mine)
+    catch("mixed", lambda: hvd.allreduce_async(np.ones(2), name=mine))
+    released = hvd_torch.allreduce_async(torch.ones(2), name=other)
     hvd_torch.synchronize(handle)
+    hvd_torch.synchronize(released)
     # After it completed, the name is free again, for any front end.
     errors["reuse"] = hvd.allreduce(np.ones(2), name="shared", op=hvd.Sum).tolist()
     # Ranks disagreeing on a dtype get the coordinator's report, then carry on.
@@ -207,7 +211,7 @@ def test_numpy_bad_input_names_type_and_front_end(tmp_path):
         assert kind == "HvdlikeError" and "Adasum" in msg and "hvdlike.torch" in msg
         kind, msg = errors["mixed"]
         assert kind == "DuplicateNameError"
-        assert "hvdlike.numpy.allreduce" in msg and "'shared'" in msg
+        assert "hvdlike.numpy.allreduce" in msg and "'shared." in msg
         assert "submitted through hvdlike.torch" in msg
         assert errors["reuse"] == [2.0, 2.0]
         kind, msg = errors["mismatch"]
