@@ -43,13 +43,15 @@ def _steps(steps, tensors):
     r = hvd.rank()
     gen = torch.Generator().manual_seed(1234 + r)
     history = []
+    controller = api.runtime().process_sets[0].controller
     for step in range(steps):
         handles = [hvd.allreduce_async(torch.randn(17 + k, generator=gen), name=f"grad{k}")
                    for k in range(tensors)]
         history.append([hvd.synchronize(h) for h in handles])
-    controller = api.runtime().process_sets[0].controller
+        if step == 0:
+            first_step_slow = controller.slow_cycles
     stats = {"slow_cycles": controller.slow_cycles, "cycles": controller.cycles,
-             "cached": len(controller.cache)}
+             "cached": len(controller.cache), "first_step_slow": first_step_slow}
     hvd.shutdown()
     return history, stats
 
@@ -70,8 +72,9 @@ def test_fusion_on_and_off_identical_and_cache_steady_state():
     stats = fused[0][1]
     assert stats["cached"] == 40
     # The request gather runs only while names are new: the first step needs
-    # at most a few slow cycles, the five cached steps after it none.
-    assert stats["slow_cycles"] <= 3, stats
+    # some slow cycles (how many depends on how the ranks' submissions
+    # interleave), the five cached steps after it none.
+    assert 1 <= stats["first_step_slow"] == stats["slow_cycles"], stats
     assert nocache[0][1]["slow_cycles"] >= 6, nocache[0][1]
 
 
