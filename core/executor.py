@@ -276,9 +276,7 @@ class Executor:
         """
         group = self._group(response)
         opts = self._reduce_options(response, dtype)
-        needed = response.dtype != "bool" and (
-            response.postscale != 1.0 or response.reduce_op == ReduceOp.AVERAGE)
-        if needed and getattr(group, "scales", False):
+        if getattr(group, "scales", False):
             return group.allreduce([buf], opts, post=lambda t: self._post_scale(t, response))
         return group.allreduce([buf], opts)
 

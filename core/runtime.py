@@ -600,20 +600,20 @@ class Runtime:
                 return False
         return True
 
-    def _pause(self, seconds: float) -> bool:
-        """Sleep up to ``seconds``; a submission to any process set ends it (returns True)."""
+    def _pause(self, seconds: float) -> None:
+        """Sleep up to ``seconds``; a submission to any process set ends it."""
         states = self.process_sets
         main = states[0].queue.wakeup
         if len(states) == 1:
-            return main.wait(seconds)
+            main.wait(seconds)
+            return
         others = [s.queue.wakeup for k, s in states.items() if k != 0]
         deadline = time.monotonic() + seconds
         while not main.is_set() and not any(e.is_set() for e in others):
             left = deadline - time.monotonic()
             if left <= 0:
-                return False
+                return
             main.wait(min(left, _SUBSET_POLL_SECONDS))
-        return True
 
     def _cycle_all(self) -> bool:
         """One cycle over every process set; True once the job shuts down.

@@ -372,13 +372,17 @@ class ShmDataGroup:
     # the buffer, 1.5 slots of data per chunk for two members). Portion bounds
     # are multiples of 64 bytes: no two writers share a cache line.
 
+    def _portions(self, length: int, element_size: int) -> List[tuple]:
+        """Each member's ``(start, end)`` of ``length`` elements, on 64-byte bounds."""
+        n = self.size
+        unit = max(1, _ALIGN_BYTES // element_size)
+        part = -(-length // (n * unit)) * unit
+        return [(min(m * part, length), min((m + 1) * part, length)) for m in range(n)]
+
     def _publish(self, chunk: torch.Tensor, share: int) -> tuple:
         n, me = self.size, self.rank
-        length = chunk.numel()
         area = self._buffer(chunk.dtype).view(-1)
-        unit = max(1, _ALIGN_BYTES // chunk.element_size())
-        part = -(-length // (n * unit)) * unit
-        bounds = [(min(m * part, length), min((m + 1) * part, length)) for m in range(n)]
+        bounds = self._portions(chunk.numel(), chunk.element_size())
         at = me * (n - 1) * share
         for m, (a, b) in enumerate(bounds):
             if m != me:
@@ -429,9 +433,7 @@ class ShmDataGroup:
         self.across[0, me] = flat.data_ptr()
         self._sync("allreduce")
         where = self.across[0].tolist()
-        unit = max(1, _ALIGN_BYTES // size)
-        part = -(-count // (n * unit)) * unit
-        bounds = [(min(m * part, count), min((m + 1) * part, count)) for m in range(n)]
+        bounds = self._portions(count, size)
         lo, hi = bounds[me]
         block = ACROSS_BLOCK_BYTES // size
         if self._spare is None:

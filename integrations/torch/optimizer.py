@@ -231,13 +231,10 @@ class _Distributed:
             # The common case, kept short: a bucket member's slot says whether
             # its hook already fired this round.
             bucket, slot = where
-            marked = bucket.marked
-            if marked[slot]:
+            if bucket.marked[slot]:
                 raise RuntimeError(_HOOK_OVERFLOW.format(name=self._hvd_names[p], k=1))
-            marked[slot] = True
             self._hvd_round_open = True
-            bucket.pending -= 1
-            if not bucket.pending:
+            if bucket.mark(slot):
                 self._hvd_launch_bucket(bucket)
             return
         count = self._hvd_passes.get(key, 0) + 1
