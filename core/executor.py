@@ -19,7 +19,7 @@ import dataclasses
 import queue
 import threading
 import time
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -128,6 +128,7 @@ class Executor:
         self.explain = hooks.explain
         self.recording = recording
         self.pool = fusion.BufferPool()
+        self._options: Dict[tuple, Any] = {}
         self.finisher = Finisher(hooks.explain)
         self.adasum = AdasumRunner(groups, rank, size)  # its group is made on first use
         self.launched = 0
@@ -253,9 +254,14 @@ class Executor:
             raise HvdlikeInternalError(f"unknown operation {op!r}")
 
     def _reduce_options(self, response: Response, dtype: torch.dtype):
-        opts = dist.AllreduceOptions()
-        table = _BOOL_REDUCE if dtype == torch.bool else _REDUCE
-        opts.reduceOp = table[response.reduce_op]
+        # One options object per (logical, op), reused: building one costs
+        # microseconds, paid by every small allreduce. Nothing changes them.
+        key = (dtype == torch.bool, response.reduce_op)
+        opts = self._options.get(key)
+        if opts is None:
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = (_BOOL_REDUCE if key[0] else _REDUCE)[response.reduce_op]
+            self._options[key] = opts
         return opts
 
     def _pre_factor(self, response: Response) -> float:
@@ -277,7 +283,8 @@ class Executor:
         group = self._group(response)
         opts = self._reduce_options(response, dtype)
         if getattr(group, "scales", False):
-            return group.allreduce([buf], opts, post=lambda t: self._post_scale(t, response))
+            return group.allreduce([buf], opts, post=lambda t: self._post_scale(t, response),
+                                   key=(dtype == torch.bool, response.reduce_op))
         return group.allreduce([buf], opts)
 
     # -- allreduce -------------------------------------------------------------

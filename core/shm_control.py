@@ -20,6 +20,7 @@ from . import shm_segment
 
 SLOT_BYTES = 64 * 1024
 _LENGTH = struct.Struct("<q")
+_LENGTH_AND_WORD = struct.Struct("<qq")
 
 
 class ShmControlPlane:
@@ -89,10 +90,17 @@ class ShmControlPlane:
         return total
 
     def allreduce_min(self, value: int) -> int:
+        """The fast cycle's vote: one step of :meth:`_exchange`'s layout, unrolled
+        (every member calls this in the same step, so the layouts agree)."""
         if self.size == 1:
             return value
-        parts = self._exchange(_LENGTH.pack(value), lambda m: True)
-        return min(_LENGTH.unpack(part)[0] for part in parts)
+        n, mm, slot = self.size, self.segment.mm, self.slot
+        self._step += 1
+        first = self.header + (self._step & 1) * n * slot
+        _LENGTH_AND_WORD.pack_into(mm, first + self.rank * slot, _LENGTH.size, value)
+        self.segment.sync("negotiation", self.ranks, self.timeout, self.abandon)
+        unpack = _LENGTH_AND_WORD.unpack_from
+        return min(unpack(mm, first + m * slot)[1] for m in range(n))
 
     def gather(self, payload: bytes) -> Optional[List[bytes]]:
         if self.size == 1:

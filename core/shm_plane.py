@@ -78,6 +78,7 @@ ACROSS_BLOCK_BYTES = 2 << 20  # read and reduced a block at a time (private memo
 # Allreduces up to this size take one sync point (every member reduces all of it).
 ONE_SYNC_BYTES = 256 * 1024
 _ALIGN_BYTES = 64
+_SLOT_VIEWS_KEPT = 64  # shapes of small allreduces whose slot views are kept
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,6 +238,10 @@ class ShmDataGroup:
         self.name = ""
         self._step = 0
         self._views: Dict[tuple, torch.Tensor] = {}
+        # (buffer, dtype, elements) -> every member's slot as a view: indexing a
+        # tensor costs microseconds, and small allreduces repeat the same shape.
+        self._slots: Dict[tuple, List[torch.Tensor]] = {}
+        self._reducers: Dict[object, Optional[Callable]] = {}
         self.pids: List[int] = []
         self.segment = self._attach(store)
         try:
@@ -303,10 +308,13 @@ class ShmDataGroup:
     def _buffer(self, dtype: torch.dtype) -> torch.Tensor:
         """The next buffer (alternating), as ``[members + 1, chunk elements]`` of ``dtype``."""
         self._step += 1
-        key = (self._step & 1, dtype)
+        return self._view(self._step & 1, dtype)
+
+    def _view(self, which: int, dtype: torch.dtype) -> torch.Tensor:
+        key = (which, dtype)
         view = self._views.get(key)
         if view is None:
-            view = self._views[key] = self.data[key[0]].view(dtype)
+            view = self._views[key] = self.data[which].view(dtype)
         return view
 
     # -- collectives ---------------------------------------------------------------------
@@ -318,11 +326,22 @@ class ShmDataGroup:
     # whether it was applied (not on the Gloo fallback).
     scales = True
 
-    def allreduce(self, tensors, opts=None, post: Optional[Callable[[torch.Tensor], None]] = None):
-        reduce = _reducer(opts)
+    def allreduce(self, tensors, opts=None, post: Optional[Callable[[torch.Tensor], None]] = None,
+                  key=None):
+        # ``key``: a hashable the caller names ``opts``'s operation by (equal keys,
+        # same operation), so that a repeated operation is not read back out of
+        # the torch options object: that costs microseconds per call.
+        if key is None:
+            reduce = _reducer(opts)
+        else:
+            reduce = self._reducers.get(key, _reducer)
+            if reduce is _reducer:
+                reduce = self._reducers[key] = _reducer(opts)
         if len(tensors) != 1 or reduce is None or not tensors[0].is_contiguous():
             return self._gloo().allreduce(tensors, opts)
-        flat = tensors[0].reshape(-1)
+        flat = tensors[0]
+        if flat.dim() != 1:
+            flat = flat.reshape(-1)
         return _Work(lambda: self._allreduce(flat, reduce, post=post), scaled=post is not None)
 
     def _allreduce(self, flat: torch.Tensor, reduce, root: Optional[int] = None,
@@ -480,11 +499,18 @@ class ShmDataGroup:
         # data and reduces every element itself, in member order like the
         # portioned algorithm (identical results on every member, and equal to
         # it). Worth it while n reads of the data cost less than a sync point.
-        n, count = self.size, flat.numel()
-        slots = self._buffer(flat.dtype)
-        slots[self.rank, :count].copy_(flat)
+        count = flat.numel()
+        self._step += 1
+        key = (self._step & 1, flat.dtype, count)
+        parts = self._slots.get(key)
+        if parts is None:
+            if len(self._slots) >= _SLOT_VIEWS_KEPT:
+                self._slots.clear()
+            slots = self._view(key[0], key[1])
+            parts = self._slots[key] = [slots[m, :count] for m in range(self.size)]
+        parts[self.rank].copy_(flat)
         self._sync("allreduce")
-        reduce([slots[m, :count] for m in range(n)], flat)
+        reduce(parts, flat)
 
     def broadcast(self, tensors, opts=None):
         if len(tensors) != 1 or not tensors[0].is_contiguous():
@@ -593,6 +619,7 @@ class ShmDataGroup:
             return
         self.segment = None
         self._views.clear()
+        self._slots.clear()
         self.data = self.meta = self.across = self._spare = None
         segment.close()
 
