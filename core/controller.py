@@ -58,13 +58,16 @@ class CycleResult:
     learned-order vote. (``fast``/``coordinated`` describe how, for the timeline.)
     """
 
-    __slots__ = ("work", "shutdown", "stalled", "fast", "coordinated")
+    __slots__ = ("work", "shutdown", "stalled", "fast", "coordinated", "voted")
 
     def __init__(self):
         self.work: List[Tuple[Response, Optional[Entry]]] = []
         self.shutdown = False
         self.stalled: List[Tuple[str, float, List[int]]] = []
         self.fast = False
+        # Every member's input of ``work[0]`` (an allreduce), exchanged with the
+        # vote: the executor reduces it from these, with no exchange of its own.
+        self.voted = None
         self.coordinated: Optional[int] = None
 
 
@@ -84,6 +87,14 @@ class Controller:
         self._joined = False
         self.sequence = LearnedSequence()
         self._allreduce_min = getattr(control, "allreduce_min", None)
+        # A control plane that can carry data in the fast cycle's vote (shared
+        # memory) always votes through it; ``speculate(response, entry,
+        # capacity)`` (the executor's ``offer``, set by the process set) says
+        # what the next allreduce in the learned order would send with it.
+        self._vote = getattr(control, "vote", None)
+        self._vote_capacity = getattr(control, "vote_capacity", 0)
+        self.speculate: Optional[Callable[..., Optional[tuple]]] = None
+        self.voted_allreduces = 0  # allreduces whose input travelled with the vote
         self.cycles = 0
         self.slow_cycles = 0
         self.fast_cycles = 0
@@ -223,13 +234,27 @@ class Controller:
         else:
             vote = self.sequence.ready_prefix(self._cached) or -1
         started = time.perf_counter()
-        agreed = self._allreduce_min(vote)
+        parts = None
+        if self._vote is None:
+            agreed = self._allreduce_min(vote)
+        else:
+            offer = None
+            if vote > 0 and self.speculate is not None:
+                slot = self.sequence.order[self.sequence.pos]
+                offer = self.speculate(self.cache.response(slot), self._cached[slot],
+                                       self._vote_capacity)
+                if offer is not None:
+                    offer = (slot,) + offer
+            agreed, parts = self._vote(vote, offer)
         self.last_control_seconds = time.perf_counter() - started
         if agreed < 0:
             return False
         self.fast_cycles += 1
         result.fast = True
         self._run_cached(self.sequence.take(agreed), result)
+        if parts is not None:
+            self.voted_allreduces += 1
+            result.voted = parts
         if self.coordinator is not None:
             result.stalled = self.coordinator.pending()
         return True

@@ -65,6 +65,20 @@ _BOOL_REDUCE = {
     ReduceOp.MAX: dist.ReduceOp.MAX,
     ReduceOp.PRODUCT: dist.ReduceOp.MIN,
 }
+
+
+class _Voted:
+    """The work of an allreduce already reduced from the vote's data (see offer())."""
+
+    inline = True
+    engine = "SHM"
+
+    @staticmethod
+    def wait(timeout=None) -> bool:
+        return True
+
+
+_VOTED = _Voted()
 # Copies a list of tensors in one call (None on builds without it).
 _foreach_copy = getattr(torch, "_foreach_copy_", None)
 # Splits a flat tensor straight into a list of outputs (None on builds without it).
@@ -288,6 +302,58 @@ class Executor:
         return group.allreduce([buf], opts)
 
     # -- allreduce -------------------------------------------------------------
+
+    def offer(self, response: Response, entry: Optional[Entry], capacity: int):
+        """What the fast cycle's vote can carry of this allreduce, or None.
+
+        A small dense CPU allreduce on a shared-memory plane sends its
+        (prescaled) input along with the vote that agrees to run it; when
+        every member did, each reduces it straight from there in member order
+        -- the same operations on the same values as the plane's own small
+        allreduce, so the same result -- and the exchange of its own is saved.
+        Returns ``(dtype, count, write)``; ``write(view)`` fills this member's
+        part of the vote. Not with a timeline (it records the plane's phases).
+        """
+        if (response.op is not OpType.ALLREDUCE or response.reduce_op is ReduceOp.ADASUM
+                or response.group or response.joined or entry is None
+                or self.recording.timeline is not None):
+            return None
+        tensor = entry.tensor
+        count = response.numel
+        dtype = torch_dtype(response.dtype)
+        if (count == 0 or dtype == torch.bool or wire_dtype(dtype) != dtype
+                or count * tensor.element_size() > capacity
+                or not tensor.is_cpu or not tensor.is_contiguous()):
+            return None
+        group = self._group(response)
+        if not getattr(group, "scales", False) or not group.can_reduce(
+                self._reduce_options(response, dtype), (False, response.reduce_op)):
+            return None
+        factor = self._pre_factor(response)
+        flat = tensor if tensor.dim() == 1 else tensor.reshape(-1)
+
+        def write(view: torch.Tensor) -> None:
+            view.copy_(flat)
+            scale(view, factor)
+
+        return dtype, count, write
+
+    def allreduce_voted(self, item: Work, parts) -> None:
+        """Finish allreduce ``item`` from ``parts``, every member's input sent with
+        the vote (see :meth:`offer`), before the set's next control exchange."""
+        response, entry = item
+        try:
+            dtype = torch_dtype(response.dtype)
+            out = entry.output
+            flat = out if out.dim() == 1 else out.view(-1)
+            self._group(response).reduce_parts(parts, flat, self._reduce_options(response, dtype),
+                                               (False, response.reduce_op))
+            self._post_scale(flat, response)
+        except BaseException as exc:
+            error = HvdlikeInternalError(f"could not complete collective: {exc}")
+            self.complete(entry, None, error)
+            raise error from exc
+        self._submit(_VOTED, [item], lambda: [out])
 
     def _allreduce_one(self, items: List[Work]) -> None:
         response, entry = items[0]

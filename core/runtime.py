@@ -632,6 +632,12 @@ class Runtime:
             state = states[set_id]
             result = state.controller.cycle(state.queue.drain(),
                                             shutdown=self._stopping and set_id == 0)
+            work = result.work
+            if result.voted is not None:
+                # Its inputs stay in the vote's buffer only until this set's next
+                # control exchange (the autotuner's may come first): reduce now.
+                state.executor.allreduce_voted(work[0], result.voted)
+                work = work[1:]
             if timeline is not None:
                 timeline.negotiated(state, result)
             if result.shutdown:
@@ -641,7 +647,7 @@ class Runtime:
             if set_id == 0 and self.autotuner is not None and self.autotuner.cycle(result.work):
                 # settled: every rank keeps the chosen settings
                 self.tuned, self.autotuner = self.autotuner.settled, None
-            state.executor.execute(result.work)
+            state.executor.execute(work)
         if changes:
             for apply in changes:
                 apply()

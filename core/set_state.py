@@ -113,6 +113,7 @@ class ProcessSetState:
                                      parts.recording.recording)
         self.executor = Executor(self.groups, self.rank, self.size, parts.settings,
                                  parts.hooks, parts.recording)
+        self.controller.speculate = self.executor.offer
         self._closed = False
 
     def start(self) -> None:

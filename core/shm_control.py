@@ -21,6 +21,12 @@ from . import shm_segment
 SLOT_BYTES = 64 * 1024
 _LENGTH = struct.Struct("<q")
 _LENGTH_AND_WORD = struct.Struct("<qq")
+# The fast cycle's vote with data (see vote()): a length word (unused), the
+# vote, the cache slot of the allreduce whose input follows (-1: none) and
+# its bytes; the input starts on the slot's second cache line.
+_VOTE = struct.Struct("<qqqq")
+_VOTE_DATA_OFFSET = 64
+_VOTE_VIEWS_KEPT = 64  # (buffer, dtype, elements) shapes whose data views are kept
 
 
 class ShmControlPlane:
@@ -49,6 +55,7 @@ class ShmControlPlane:
                                           self.header, total, self.ranks,
                                           settings_.start_timeout_seconds)
         self._step = 0
+        self._views: dict = {}  # see _vote_views
 
     def _exchange(self, payload: bytes, wanted: Callable[[int], bool]) -> List[bytes]:
         """Every member's ``payload`` (``b""`` for members not ``wanted`` here)."""
@@ -89,6 +96,64 @@ class ShmControlPlane:
                 total[i] += v
         return total
 
+    @property
+    def vote_capacity(self) -> int:
+        """Most bytes of allreduce input one :meth:`vote` carries."""
+        return self.slot - _VOTE_DATA_OFFSET
+
+    def vote(self, value: int, offer=None):
+        """The fast cycle's MIN vote; with ``offer``, also an allreduce's input.
+
+        ``offer`` is ``(tag, dtype, count, write)``: ``write(view)`` fills this
+        member's ``count`` elements of ``dtype`` in the segment with the input
+        of the allreduce in cache slot ``tag``. Returns ``(agreed, parts)``:
+        ``parts`` is every member's input view, in member order, when the vote
+        agreed on at least one slot and every member offered the same slot and
+        size -- then that allreduce can be reduced from ``parts`` right away,
+        with no exchange of its own. Otherwise ``parts`` is None, on every
+        member alike (they all read the same words). The views stay valid
+        until this member's next call: a member can run at most one exchange
+        ahead, into the other buffer.
+
+        Every member of the set must use this method (not :meth:`allreduce_min`)
+        for its fast-cycle votes, offering or not, so the words it reads are
+        this step's.
+        """
+        if self.size == 1:
+            return value, None
+        n, mm, slot = self.size, self.segment.mm, self.slot
+        self._step += 1
+        which = self._step & 1
+        first = self.header + which * n * slot
+        tag, nbytes, views = -1, 0, None
+        if offer is not None:
+            tag, dtype, count, write = offer
+            views, nbytes = self._vote_views(which, dtype, count)
+            write(views[self.rank])
+        _VOTE.pack_into(mm, first + self.rank * slot, 0, value, tag, nbytes)
+        self.segment.sync("negotiation", self.ranks, self.timeout, self.abandon)
+        unpack = _VOTE.unpack_from
+        words = [unpack(mm, first + m * slot) for m in range(n)]
+        agreed = min(w[1] for w in words)
+        if views is None or agreed < 1 or any(w[2] != tag or w[3] != nbytes for w in words):
+            return agreed, None
+        return agreed, views
+
+    def _vote_views(self, which: int, dtype, count: int):
+        key = (which, dtype, count)
+        hit = self._views.get(key)
+        if hit is None:
+            import torch
+
+            if len(self._views) >= _VOTE_VIEWS_KEPT:
+                self._views.clear()
+            first = self.header + which * self.size * self.slot
+            views = [torch.frombuffer(self.segment.mm, dtype=dtype, count=count,
+                                      offset=first + m * self.slot + _VOTE_DATA_OFFSET)
+                     for m in range(self.size)]
+            hit = self._views[key] = (views, count * views[0].element_size())
+        return hit
+
     def allreduce_min(self, value: int) -> int:
         """The fast cycle's vote: one step of :meth:`_exchange`'s layout, unrolled
         (every member calls this in the same step, so the layouts agree)."""
@@ -115,6 +180,7 @@ class ShmControlPlane:
         return parts[0]
 
     def close(self) -> None:
+        self._views = {}  # tensors over the mapping: gone before it is unmapped
         segment, self.segment = self.segment, None
         self.abandon = lambda: None
         if segment is not None:
