@@ -155,8 +155,8 @@ class ShmControlPlane:
         return hit
 
     def allreduce_min(self, value: int) -> int:
-        """The fast cycle's vote: one step of :meth:`_exchange`'s layout, unrolled
-        (every member calls this in the same step, so the layouts agree)."""
+        """MIN of one word per member: one step of :meth:`_exchange`'s layout,
+        unrolled. (The controller's fast cycle votes through :meth:`vote`.)"""
         if self.size == 1:
             return value
         n, mm, slot = self.size, self.segment.mm, self.slot

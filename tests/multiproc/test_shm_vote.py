@@ -160,3 +160,37 @@ def test_offers_a_peer_is_not_ready_for_are_dropped_and_results_stay_right():
         assert [g.tolist() for g in got] == [[float(2 * k + 1)] * 5 for k in range(8)]
         assert fast > 0
     assert len({voted for _, _, voted in results}) == 1  # every rank decides alike
+
+
+def _in_a_process_set():
+    """A subset's own cycles carry its small allreduces, beside the global set's."""
+    import hvdlike.torch as hvd
+    from hvdlike.core import api
+
+    evens = hvd.ProcessSet([0, 2])
+    hvd.init(process_sets=[evens])
+    r = hvd.rank()
+    got, voted = [], {}
+    for k in range(8):
+        if r in (0, 2):
+            got.append(hvd.allreduce(torch.full((9,), float(r + k)), op=hvd.Average,
+                                     name="ev", process_set=evens))
+        got.append(hvd.allreduce(torch.full((3,), float(r * k)), op=hvd.Sum, name="all"))
+    for set_id, state in api.runtime().process_sets.items():
+        voted[set_id] = state.controller.voted_allreduces
+    hvd.shutdown()
+    return got, voted, evens.process_set_id
+
+
+def test_a_process_set_votes_with_its_own_data():
+    results = run_ranks(_in_a_process_set, np=3, timeout=120)
+    for r, (got, voted, evens) in enumerate(results):
+        want = []
+        for k in range(8):
+            if r in (0, 2):
+                want.append([float(1 + k)] * 9)  # (k + (2 + k)) / 2
+            want.append([float(3 * k)] * 3)  # 0 + k + 2k
+        assert [g.tolist() for g in got] == want, r
+        assert voted[0] > 0, voted
+        if r in (0, 2):
+            assert voted[evens] > 0, voted
