@@ -67,9 +67,11 @@ def run_ranks(fn: Callable, np: int = 2, args: Sequence[Any] = (), env: Optional
         fresh: start each rank as a new interpreter instead of forking it from
             the server that has torch imported (see ``rank_forkserver``).
     """
-    from torch.distributed import TCPStore
+    import datetime
 
-    store = TCPStore("127.0.0.1", 0, np, True, wait_for_workers=False)
+    from hvdlike.core.job_store import serve
+
+    store, _ = serve("127.0.0.1", 0, np, datetime.timedelta(seconds=300))
     secret = secrets.token_hex(16)
     with tempfile.TemporaryDirectory(prefix="hvdlike-test-") as tmp:
         payload = os.path.join(tmp, "fn.pkl")
