@@ -331,7 +331,7 @@ class ShmDataGroup:
         # ``key``: a hashable the caller names ``opts``'s operation by (equal keys,
         # same operation), so that a repeated operation is not read back out of
         # the torch options object: that costs microseconds per call.
-        reduce = self._reducer(opts, key)
+        reduce = self._reduction(opts, key)
         if len(tensors) != 1 or reduce is None or not tensors[0].is_contiguous():
             return self._gloo().allreduce(tensors, opts)
         flat = tensors[0]
@@ -339,23 +339,23 @@ class ShmDataGroup:
             flat = flat.reshape(-1)
         return _Work(lambda: self._allreduce(flat, reduce, post=post), scaled=post is not None)
 
-    def _reducer(self, opts, key=None):
+    def _reduction(self, opts, key=None):
+        """The reduce function for ``opts`` (None: not on this plane), kept per ``key``."""
         if key is None:
             return _reducer(opts)
-        reduce = self._reducers.get(key, _reducer)
-        if reduce is _reducer:
-            reduce = self._reducers[key] = _reducer(opts)
-        return reduce
+        if key not in self._reducers:
+            self._reducers[key] = _reducer(opts)
+        return self._reducers[key]
 
     def can_reduce(self, opts=None, key=None) -> bool:
         """Whether this plane reduces ``opts``'s operation itself (else Gloo does)."""
-        return self._reducer(opts, key) is not None
+        return self._reduction(opts, key) is not None
 
     def reduce_parts(self, parts: Sequence[torch.Tensor], out: torch.Tensor, opts=None,
                      key=None) -> None:
         """Reduce every member's input ``parts`` (in member order) into ``out``,
         as :meth:`allreduce` reduces them (see ``Executor.offer``)."""
-        self._reducer(opts, key)(parts, out)
+        self._reduction(opts, key)(parts, out)
 
     def _allreduce(self, flat: torch.Tensor, reduce, root: Optional[int] = None,
                    post: Optional[Callable[[torch.Tensor], None]] = None) -> None:
