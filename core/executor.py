@@ -267,10 +267,15 @@ class Executor:
         else:  # pragma: no cover - the coordinator only emits known ops
             raise HvdlikeInternalError(f"unknown operation {op!r}")
 
+    @staticmethod
+    def _op_key(response: Response, dtype: torch.dtype) -> tuple:
+        """What names a reduction: (logical, op). Equal keys, equal reduce options."""
+        return (dtype == torch.bool, response.reduce_op)
+
     def _reduce_options(self, response: Response, dtype: torch.dtype):
-        # One options object per (logical, op), reused: building one costs
+        # One options object per _op_key, reused: building one costs
         # microseconds, paid by every small allreduce. Nothing changes them.
-        key = (dtype == torch.bool, response.reduce_op)
+        key = self._op_key(response, dtype)
         opts = self._options.get(key)
         if opts is None:
             opts = dist.AllreduceOptions()
@@ -298,7 +303,7 @@ class Executor:
         opts = self._reduce_options(response, dtype)
         if getattr(group, "scales", False):
             return group.allreduce([buf], opts, post=lambda t: self._post_scale(t, response),
-                                   key=(dtype == torch.bool, response.reduce_op))
+                                   key=self._op_key(response, dtype))
         return group.allreduce([buf], opts)
 
     # -- allreduce -------------------------------------------------------------
@@ -325,9 +330,9 @@ class Executor:
                 or count * tensor.element_size() > capacity
                 or not tensor.is_cpu or not tensor.is_contiguous()):
             return None
-        group = self._group(response)
-        if not getattr(group, "scales", False) or not group.can_reduce(
-                self._reduce_options(response, dtype), (False, response.reduce_op)):
+        can_reduce = getattr(self._group(response), "can_reduce", None)  # shared memory only
+        if can_reduce is None or not can_reduce(self._reduce_options(response, dtype),
+                                                self._op_key(response, dtype)):
             return None
         factor = self._pre_factor(response)
         flat = tensor if tensor.dim() == 1 else tensor.reshape(-1)
@@ -347,7 +352,7 @@ class Executor:
             out = entry.output
             flat = out if out.dim() == 1 else out.view(-1)
             self._group(response).reduce_parts(parts, flat, self._reduce_options(response, dtype),
-                                               (False, response.reduce_op))
+                                               self._op_key(response, dtype))
             self._post_scale(flat, response)
         except BaseException as exc:
             error = HvdlikeInternalError(f"could not complete collective: {exc}")
