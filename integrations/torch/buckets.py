@@ -20,6 +20,14 @@ copied in; a sparse gradient travels on its own (its slot carries zeros)
 unless reduced as dense; a member frozen since construction carries zeros
 and keeps its ``.grad`` untouched. So a change of the graph between steps
 costs a copy, never a wrong sum.
+
+The gradients a view replaces are not dropped at once: the bucket keeps
+them until the next ``zero_grad()`` (or its next pack), when a plain
+training loop would have dropped them. Freed right after the reduction,
+hundreds of them at once, they let glibc's allocator hand the top of its heap
+back to the system, and the next backward pass pays to map it again: 2-3 ms
+per step of a 400-tensor model on the test machine. Held, they cost no
+memory a plain loop does not hold (its gradients live until ``zero_grad()``).
 """
 
 from __future__ import annotations
@@ -78,6 +86,8 @@ class Bucket:
         # A view has a contiguous layout; a parameter with other strides (channels
         # last) keeps a gradient of its own layout, filled by a copy.
         self._viewable = [as_views and p.is_contiguous() for p in members]
+        # Gradients replaced by views at the last unpack, dropped by release().
+        self.retired: List[torch.Tensor] = []
         self.reset()
 
     def reset(self) -> None:
@@ -99,6 +109,7 @@ class Bucket:
         gradient to pack, or None when the gradient travels on its own (its
         slot then carries zeros).
         """
+        self.retired = []
         destinations, sources = [], []
         for p, view in zip(self.members, self.views):
             grad = p.grad
@@ -117,8 +128,13 @@ class Bucket:
                 sources.append(grad)
         _copy_all(destinations, sources)
 
+    def release(self) -> None:
+        """Drop the gradients the last :meth:`unpack` replaced (see the module doc)."""
+        self.retired = []
+
     def unpack(self) -> None:
         """Hand the reduced values to each trainable member's ``.grad``."""
+        retired = self.retired = []
         destinations, sources = [], []
         for p, view, viewable in zip(self.members, self.views, self._viewable):
             if not p.requires_grad:
@@ -129,6 +145,8 @@ class Bucket:
             if grad is not None and grad.is_sparse:
                 continue  # reduced by its own sparse handle
             if viewable:
+                if grad is not None:
+                    retired.append(grad)
                 p.grad = view
                 continue
             if grad is None:

@@ -414,6 +414,8 @@ class _Distributed:
         self._hvd_passes = {}
         self._hvd_group_ready = {}
         self._hvd_round_open = False
+        for bucket in self._hvd_buckets:
+            bucket.release()  # where a plain loop drops its gradients (see buckets.py)
         return super().zero_grad(set_to_none=set_to_none)
 
     def add_param_group(self, param_group) -> None:

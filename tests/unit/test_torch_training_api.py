@@ -376,6 +376,34 @@ def test_gradients_become_bucket_views_and_survive_zero_grad(monkeypatch):
     assert all(torch.equal(p.grad, e) for p, e in zip(bucket.members, fresh))
 
 
+def test_gradients_a_view_replaces_live_until_zero_grad_or_the_next_pack():
+    m, opt, bucket = _bucketed()
+    _loss(m).backward()
+    fresh = [p.grad for p in bucket.members]
+    opt.step()
+    assert all(_are_views(bucket))
+    # Held, not dropped at the reduction: the same tensors, not copies.
+    assert len(bucket.retired) == 4 and all(r is f for r, f in zip(bucket.retired, fresh))
+    opt.zero_grad()
+    assert bucket.retired == []
+    # A loop that zeroes through the model, not the optimizer: the next pack drops them.
+    _loss(m).backward()
+    opt.step()
+    assert len(bucket.retired) == 4
+    m.zero_grad()
+    _loss(m).backward()
+    opt.synchronize()
+    assert all(r is not view for r, view in zip(bucket.retired, bucket.views))
+    assert len(bucket.retired) == 4  # this round's, not the last round's as well
+    with opt.skip_synchronize():
+        opt.step()
+    # Accumulating into the views replaces nothing.
+    opt.zero_grad(set_to_none=False)
+    _loss(m).backward()
+    opt.step()
+    assert bucket.retired == []
+
+
 def test_bucket_view_fallbacks_keep_every_gradient_right():
     m, opt, bucket = _bucketed()
     _loss(m).backward()
