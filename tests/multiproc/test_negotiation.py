@@ -193,13 +193,16 @@ def _misuse():
             call()
         except (TypeError, ValueError) as exc:
             errors[key] = str(exc)
-    # Each rank's own name stays in flight until the other rank submits it too.
-    first = hvd.allreduce_async(torch.ones(1), name=f"dup.{r}")
+    # Each rank's own name stays in flight until the other rank submits it too,
+    # which it does only after the barrier: the second submission meets it in flight.
+    ones = torch.ones(1), torch.ones(1), torch.ones(1)
+    first = hvd.allreduce_async(ones[0], name=f"dup.{r}")
     try:
-        hvd.allreduce_async(torch.ones(1), name=f"dup.{r}")
+        hvd.allreduce_async(ones[1], name=f"dup.{r}")
     except DuplicateNameError as exc:
         errors["duplicate"] = str(exc)
-    other = hvd.allreduce_async(torch.ones(1), name=f"dup.{1 - r}")
+    hvd.barrier()
+    other = hvd.allreduce_async(ones[2], name=f"dup.{1 - r}")
     hvd.synchronize(first)
     hvd.synchronize(other)
     hvd.shutdown()
