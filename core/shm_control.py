@@ -26,7 +26,6 @@ _LENGTH_AND_WORD = struct.Struct("<qq")
 # its bytes; the input starts on the slot's second cache line.
 _VOTE = struct.Struct("<qqqq")
 _VOTE_DATA_OFFSET = 64
-_VOTE_VIEWS_KEPT = 64  # (buffer, dtype, elements) shapes whose data views are kept
 
 
 class ShmControlPlane:
@@ -55,7 +54,7 @@ class ShmControlPlane:
                                           self.header, total, self.ranks,
                                           settings_.start_timeout_seconds)
         self._step = 0
-        self._views: dict = {}  # see _vote_views
+        self._views = shm_segment.ShapeViews()  # see _vote_views
 
     def _exchange(self, payload: bytes, wanted: Callable[[int], bool]) -> List[bytes]:
         """Every member's ``payload`` (``b""`` for members not ``wanted`` here)."""
@@ -145,13 +144,11 @@ class ShmControlPlane:
         if hit is None:
             import torch
 
-            if len(self._views) >= _VOTE_VIEWS_KEPT:
-                self._views.clear()
             first = self.header + which * self.size * self.slot
             views = [torch.frombuffer(self.segment.mm, dtype=dtype, count=count,
                                       offset=first + m * self.slot + _VOTE_DATA_OFFSET)
                      for m in range(self.size)]
-            hit = self._views[key] = (views, count * views[0].element_size())
+            hit = self._views.add(key, (views, count * views[0].element_size()))
         return hit
 
     def allreduce_min(self, value: int) -> int:
@@ -180,7 +177,8 @@ class ShmControlPlane:
         return parts[0]
 
     def close(self) -> None:
-        self._views = {}  # tensors over the mapping: gone before it is unmapped
+        # Tensors over the mapping: gone before it is unmapped.
+        self._views = shm_segment.ShapeViews()
         segment, self.segment = self.segment, None
         self.abandon = lambda: None
         if segment is not None:

@@ -80,7 +80,6 @@ ACROSS_BLOCK_BYTES = 2 << 20  # read and reduced a block at a time (private memo
 # Allreduces up to this size take one sync point (every member reduces all of it).
 ONE_SYNC_BYTES = 256 * 1024
 _ALIGN_BYTES = 64
-_SLOT_VIEWS_KEPT = 64  # shapes of small allreduces whose slot views are kept
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,7 +241,7 @@ class ShmDataGroup:
         self._views: Dict[tuple, torch.Tensor] = {}
         # (buffer, dtype, elements) -> every member's slot as a view: indexing a
         # tensor costs microseconds, and small allreduces repeat the same shape.
-        self._slots: Dict[tuple, List[torch.Tensor]] = {}
+        self._slots = shm_segment.ShapeViews()
         self._reducers: Dict[object, Optional[Callable]] = {}
         self.pids: List[int] = []
         self.segment = self._attach(store)
@@ -519,10 +518,8 @@ class ShmDataGroup:
         key = (self._step & 1, flat.dtype, count)
         parts = self._slots.get(key)
         if parts is None:
-            if len(self._slots) >= _SLOT_VIEWS_KEPT:
-                self._slots.clear()
             slots = self._view(key[0], key[1])
-            parts = self._slots[key] = [slots[m, :count] for m in range(self.size)]
+            parts = self._slots.add(key, [slots[m, :count] for m in range(self.size)])
         parts[self.rank].copy_(flat)
         self._sync("allreduce")
         reduce(parts, flat)

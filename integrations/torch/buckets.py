@@ -109,7 +109,7 @@ class Bucket:
         gradient to pack, or None when the gradient travels on its own (its
         slot then carries zeros).
         """
-        self.retired = []
+        self.release()
         destinations, sources = [], []
         for p, view in zip(self.members, self.views):
             grad = p.grad
