@@ -155,6 +155,34 @@ class Controller:
 
         if self._allreduce_min is not None and self._fast_cycle(result, invalid, shutdown):
             return result
+        return self._full_cycle(result, invalid, shutdown)
+
+    def cycle_one(self, entry: Entry) -> Optional[CycleResult]:
+        """:meth:`cycle` of ``[entry]`` when nothing else is pending here and
+        ``entry`` is the cached tensor the learned order expects next: the case of
+        a synchronous collective in a loop, which the runtime runs on the
+        caller's thread (``Runtime.run``). The same cycle, votes and result as
+        :meth:`cycle` gives, without the per-batch sorting; None (and nothing
+        done) in any other case.
+        """
+        request = entry.request
+        order = self.sequence.order
+        if (order is None or self._vote is None or request.group or self._joined
+                or request.op is OpType.JOIN or not self.idle):
+            return None
+        kind, slot = self.cache.lookup(request)
+        if kind is not Lookup.HIT or order[self.sequence.pos] != slot:
+            return None
+        self.cycles += 1
+        self.last_control_seconds = 0.0
+        result = CycleResult()
+        self._cached[slot] = entry
+        if self._fast_cycle(result, (), False):
+            return result
+        return self._full_cycle(result, set(), False)
+
+    def _full_cycle(self, result: CycleResult, invalid, shutdown: bool) -> CycleResult:
+        """The bit-vector negotiation (and the coordinator's, for uncached work)."""
         n = self.cache.num_slots
         vec = [0] * (2 * n + NUM_FLAGS)
         # A joined rank is already counted by FLAG_JOINED; its ready bits weigh

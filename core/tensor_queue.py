@@ -78,6 +78,13 @@ class TensorQueue:
         if not self.wakeup.is_set():
             self.wakeup.set()
 
+    def claim(self, entry: Entry) -> None:
+        """Mark ``entry``'s name in flight without queueing it (the caller runs
+        it itself, see ``Runtime.run``)."""
+        prior = self._inflight.setdefault(entry.request.name, entry)
+        if prior is not entry:
+            raise _duplicate(entry.request.name, prior)
+
     def _claim(self, entries: List[Entry]) -> None:
         """Mark every name of a group in flight, or none of them."""
         inflight = self._inflight

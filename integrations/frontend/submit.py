@@ -103,15 +103,32 @@ def submit(entries, process_set, frontend: str) -> List[Handle]:
     try:
         return api.runtime().submit(entries, set_id, frontend)
     except DuplicateNameError as exc:
-        holder = getattr(exc, "holder", None)
-        clash = holder.request.name if holder is not None else entries[0].request.name
-        where = f"submitted through {holder.origin}" if holder is not None and holder.origin \
-            else "submitted through an earlier call"
-        what = entries[0].request.op.name.lower()
-        raise DuplicateNameError(
-            f"{frontend}.{what}: the name {clash!r} is already used by a collective still in "
-            f"flight, {where}; synchronize that handle first or pick "
-            f"another name (names are shared by all front ends)") from exc
+        raise _name_in_use(exc, entries, frontend) from exc
+
+
+def run(entry, process_set, frontend: str):
+    """Run one collective synchronously on behalf of ``frontend``; return its result.
+
+    :func:`submit` and :func:`synchronize` in one, which lets the runtime run
+    a steady-state collective on this thread (``Runtime.run``).
+    """
+    set_id = resolve(process_set)
+    try:
+        return api.runtime().run(entry, set_id, frontend)
+    except DuplicateNameError as exc:
+        raise _name_in_use(exc, [entry], frontend) from exc
+
+
+def _name_in_use(exc: DuplicateNameError, entries, frontend: str) -> DuplicateNameError:
+    holder = getattr(exc, "holder", None)
+    clash = holder.request.name if holder is not None else entries[0].request.name
+    where = f"submitted through {holder.origin}" if holder is not None and holder.origin \
+        else "submitted through an earlier call"
+    what = entries[0].request.op.name.lower()
+    return DuplicateNameError(
+        f"{frontend}.{what}: the name {clash!r} is already used by a collective still in "
+        f"flight, {where}; synchronize that handle first or pick "
+        f"another name (names are shared by all front ends)")
 
 
 def barrier(process_set=global_process_set) -> None:

@@ -19,7 +19,7 @@ from hvdlike.core.handles import Handle
 from hvdlike.core.messages import ReduceOp
 from hvdlike.core.process_sets import global_process_set
 from hvdlike.frontend.submit import (  # noqa: F401  (shared by every front end)
-    GroupHandle, barrier, join, name_for as _name, poll, set_size as _set_size, submit,
+    GroupHandle, barrier, join, name_for as _name, poll, run as _run_one, set_size as _set_size, submit,
     synchronize, wait as _wait,
 )
 
@@ -43,6 +43,10 @@ def _reduce_op(average: Optional[bool], op: Any, what: str) -> ReduceOp:
 
 def _submit(entries, process_set):
     return submit(entries, process_set, "hvdlike.torch")
+
+
+def _run(entry, process_set):
+    return _run_one(entry, process_set, "hvdlike.torch")
 
 
 # -- allreduce -----------------------------------------------------------------------
@@ -86,16 +90,19 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
         >>> total = hvd.allreduce(torch.ones(3), op=hvd.Sum)   # == size() * ones
     """
     compressed, ctx = compression.compress(tensor)
-    handle = allreduce_async(compressed, average, name, op, prescale_factor, postscale_factor,
-                             process_set)
-    return compression.decompress(synchronize(handle), ctx)
+    op = _reduce_op(average, op, "allreduce")
+    entries = _allreduce_entries(compressed, name, False, op, prescale_factor, postscale_factor,
+                                 process_set, False)
+    return compression.decompress(_run(entries[0], process_set), ctx)
 
 
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                postscale_factor=1.0, process_set=global_process_set):
     """In-place :func:`allreduce`; returns ``tensor``."""
-    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor,
-                                        postscale_factor, process_set))
+    op = _reduce_op(average, op, "allreduce_")
+    entries = _allreduce_entries(tensor, name, True, op, prescale_factor, postscale_factor,
+                                 process_set, False)
+    return _run(entries[0], process_set)
 
 
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
