@@ -153,7 +153,7 @@ def allgather_async(tensor, name=None, process_set=global_process_set) -> Handle
 
 def allgather(tensor, name=None, process_set=global_process_set):
     """Concatenate every rank's ``tensor`` along dimension 0 (sizes may differ)."""
-    return synchronize(allgather_async(tensor, name, process_set))
+    return _run(core.allgather_entry(tensor, _name(name, "allgather", process_set)), process_set)
 
 
 def grouped_allgather_async(tensors, name=None, process_set=global_process_set) -> GroupHandle:
@@ -170,11 +170,15 @@ def grouped_allgather(tensors, name=None, process_set=global_process_set) -> Lis
 # -- broadcast -----------------------------------------------------------------------
 
 
-def _broadcast_async(tensor, root_rank, name, process_set, inplace) -> Handle:
+def _broadcast_entry(tensor, root_rank, name, process_set, inplace):
     # root_rank is a global rank, as in Horovod; the runtime maps it into the set.
-    entry = core.broadcast_entry(tensor, root_rank, api.size(),
-                                 _name(name, "broadcast", process_set), inplace=inplace)
-    return _submit([entry], process_set)[0]
+    return core.broadcast_entry(tensor, root_rank, api.size(),
+                                _name(name, "broadcast", process_set), inplace=inplace)
+
+
+def _broadcast_async(tensor, root_rank, name, process_set, inplace) -> Handle:
+    return _submit([_broadcast_entry(tensor, root_rank, name, process_set, inplace)],
+                   process_set)[0]
 
 
 def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set) -> Handle:
@@ -188,12 +192,12 @@ def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_se
 
 def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
     """Return ``root_rank``'s ``tensor`` on every rank."""
-    return synchronize(broadcast_async(tensor, root_rank, name, process_set))
+    return _run(_broadcast_entry(tensor, root_rank, name, process_set, False), process_set)
 
 
 def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
     """Overwrite ``tensor`` with ``root_rank``'s value; returns ``tensor``."""
-    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+    return _run(_broadcast_entry(tensor, root_rank, name, process_set, True), process_set)
 
 
 # -- alltoall ------------------------------------------------------------------------
@@ -201,11 +205,15 @@ def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
 
 def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set) -> Handle:
     """Start an alltoall; ``splits[i]`` rows of ``tensor`` go to rank ``i``."""
+    return _submit([_alltoall_entry(tensor, splits, name, process_set)], process_set)[0]
+
+
+def _alltoall_entry(tensor, splits, name, process_set):
     entry = core.alltoall_entry(tensor, splits, _set_size(process_set),
                                 _name(name, "alltoall", process_set))
     if splits is None:
         entry.finish = lambda result: result[0]
-    return _submit([entry], process_set)[0]
+    return entry
 
 
 def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
@@ -215,7 +223,7 @@ def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
     ``(received, received_splits)`` where ``received_splits[i]`` rows came
     from rank ``i``.
     """
-    return synchronize(alltoall_async(tensor, splits, name, process_set))
+    return _run(_alltoall_entry(tensor, splits, name, process_set), process_set)
 
 
 # -- reducescatter -------------------------------------------------------------------

@@ -56,6 +56,37 @@ def test_a_loop_of_synchronous_allreduces_runs_here_and_is_right(np):
         assert ran >= ROUNDS * 3 // 2, ran
 
 
+def _other_collectives_loop():
+    import hvdlike.torch as hvd
+    from hvdlike.core import api
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    got = []
+    for k in range(ROUNDS):
+        b = torch.full((3,), float(10 * r + k))
+        hvd.broadcast_(b, root_rank=n - 1, name="b")
+        g = hvd.allgather(torch.full((r + 1, 2), float(r + k)), name="g")
+        a = hvd.alltoall(torch.arange(2 * n, dtype=torch.float32) + 100 * r + k, name="a")
+        got.append((b.tolist(), g.tolist(), a.tolist()))
+    ran = api.runtime().ran_here
+    hvd.shutdown()
+    return got, ran
+
+
+def test_broadcast_allgather_and_alltoall_in_a_loop_run_here_and_are_right():
+    n = 2
+    results = run_ranks(_other_collectives_loop, np=n, timeout=120)
+    for r, (got, ran) in enumerate(results):
+        for k, (b, g, a) in enumerate(got):
+            assert b == [float(10 * (n - 1) + k)] * 3, (k, b)
+            assert g == [[float(q + k)] * 2 for q in range(n) for _ in range(q + 1)], (k, g)
+            # Rank q sends rows 2r, 2r + 1 of its arange(2n) + 100q + k to rank r.
+            assert a == [float(2 * r + i + 100 * q + k) for q in range(n) for i in range(2)], \
+                (k, a)
+        assert ran >= ROUNDS * 3 // 2, ran
+
+
 def _mixed():
     import hvdlike.torch as hvd
 
