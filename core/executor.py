@@ -79,6 +79,7 @@ class _Voted:
 
 
 _VOTED = _Voted()
+_OFFER_MEMO = 256  # responses whose offer terms are kept (a cache's worth)
 # Copies a list of tensors in one call (None on builds without it).
 _foreach_copy = getattr(torch, "_foreach_copy_", None)
 # Splits a flat tensor straight into a list of outputs (None on builds without it).
@@ -143,6 +144,7 @@ class Executor:
         self.recording = recording
         self.pool = fusion.BufferPool()
         self._options: Dict[tuple, Any] = {}
+        self._offers: Dict[int, tuple] = {}  # id(response) -> offer() terms (see there)
         self.finisher = Finisher(hooks.explain)
         self.adasum = AdasumRunner(groups, rank, size)  # its group is made on first use
         self.launched = 0
@@ -319,22 +321,16 @@ class Executor:
         Returns ``(dtype, count, write)``; ``write(view)`` fills this member's
         part of the vote. Not with a timeline (it records the plane's phases).
         """
-        if (response.op is not OpType.ALLREDUCE or response.reduce_op is ReduceOp.ADASUM
-                or response.group or response.joined or entry is None
-                or self.recording.timeline is not None):
+        if entry is None or self.recording.timeline is not None:
             return None
+        # What the response alone decides, kept per (cached, reused) response.
+        memo = self._offers.get(id(response))
+        if memo is None or memo[0] is not response:
+            memo = self._offer_terms(response, capacity)
+        _, dtype, count, factor = memo
         tensor = entry.tensor
-        count = response.numel
-        dtype = torch_dtype(response.dtype)
-        if (count == 0 or dtype == torch.bool or wire_dtype(dtype) != dtype
-                or count * tensor.element_size() > capacity
-                or not tensor.is_cpu or not tensor.is_contiguous()):
+        if dtype is None or not tensor.is_cpu or not tensor.is_contiguous():
             return None
-        can_reduce = getattr(self._group(response), "can_reduce", None)  # shared memory only
-        if can_reduce is None or not can_reduce(self._reduce_options(response, dtype),
-                                                self._op_key(response, dtype)):
-            return None
-        factor = self._pre_factor(response)
         flat = tensor if tensor.dim() == 1 else tensor.reshape(-1)
 
         def write(view: torch.Tensor) -> None:
@@ -342,6 +338,25 @@ class Executor:
             scale(view, factor)
 
         return dtype, count, write
+
+    def _offer_terms(self, response: Response, capacity: int) -> tuple:
+        """``(response, dtype, count, prescale)`` for :meth:`offer`; dtype None:
+        this response never rides on the vote."""
+        dtype = torch_dtype(response.dtype)
+        count = response.numel
+        terms = (response, None, 0, 1.0)
+        if (response.op is OpType.ALLREDUCE and response.reduce_op is not ReduceOp.ADASUM
+                and not response.group and not response.joined and count
+                and dtype != torch.bool and wire_dtype(dtype) == dtype
+                and count * torch.empty(0, dtype=dtype).element_size() <= capacity):
+            can_reduce = getattr(self._group(response), "can_reduce", None)  # shared memory
+            if can_reduce is not None and can_reduce(self._reduce_options(response, dtype),
+                                                     self._op_key(response, dtype)):
+                terms = (response, dtype, count, self._pre_factor(response))
+        if len(self._offers) >= _OFFER_MEMO:
+            self._offers.clear()
+        self._offers[id(response)] = terms
+        return terms
 
     def allreduce_voted(self, item: Work, parts) -> None:
         """Finish allreduce ``item`` from ``parts``, every member's input sent with
