@@ -24,7 +24,7 @@ from hvdlike.core.handles import Handle
 from hvdlike.core.messages import ReduceOp
 from hvdlike.core.process_sets import global_process_set
 
-from .submit import GroupHandle, name_for, set_size, submit, synchronize
+from .submit import GroupHandle, name_for, run, set_size, submit, synchronize
 
 Average = ReduceOp.AVERAGE
 _REDUCING = ("allreduce", "grouped_allreduce", "reducescatter", "grouped_reducescatter")
@@ -110,6 +110,9 @@ class ArrayOps:
     def _submit(self, entries, process_set) -> List[Handle]:
         return submit(entries, process_set, self.frontend)
 
+    def _run(self, entry, process_set):
+        return run(entry, process_set, self.frontend)
+
     def _check_op(self, op, what: str):
         reduce_op = self._build(what, lambda: core.check_op(op, what))
         if reduce_op == ReduceOp.ADASUM:
@@ -165,8 +168,9 @@ class ArrayOps:
         ``postscale_factor`` the result after it. The result has the input's
         dtype and shape.
         """
-        return synchronize(self.allreduce_async(tensor, name, op, prescale_factor,
-                                                postscale_factor, process_set))
+        entries = self._allreduce_entries(tensor, name, op, prescale_factor, postscale_factor,
+                                          False, False, process_set)
+        return self._run(entries[0], process_set)
 
     def allreduce_async_(self, tensor, name: Optional[str] = None, op=Average,
                          prescale_factor=1.0, postscale_factor=1.0,
@@ -179,8 +183,9 @@ class ArrayOps:
     def allreduce_(self, tensor, name: Optional[str] = None, op=Average, prescale_factor=1.0,
                    postscale_factor=1.0, process_set=global_process_set):
         """In-place :meth:`allreduce`; returns ``tensor``."""
-        return synchronize(self.allreduce_async_(tensor, name, op, prescale_factor,
-                                                 postscale_factor, process_set))
+        entries = self._allreduce_entries(tensor, name, op, prescale_factor, postscale_factor,
+                                          True, False, process_set)
+        return self._run(entries[0], process_set)
 
     def grouped_allreduce_async(self, tensors, name: Optional[str] = None, op=Average,
                                 prescale_factor=1.0, postscale_factor=1.0,

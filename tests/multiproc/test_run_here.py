@@ -215,3 +215,33 @@ def test_a_name_still_in_flight_is_refused_as_for_any_submission():
     assert "hvdlike.torch.allreduce" in clash and "'x'" in clash, clash
     for _, value, again in results:
         assert value == [1.0, 1.0] and again == [1.0, 1.0]  # Average
+
+
+def _numpy_loop():
+    import numpy as np
+
+    import hvdlike.numpy as hnp
+    from hvdlike.core import api
+
+    hnp.init()
+    r = hnp.rank()
+    got = []
+    buf = np.zeros(5, dtype=np.float64)
+    for k in range(ROUNDS):
+        got.append(hnp.allreduce(np.full(3, r + k, dtype=np.int32), op=hnp.Sum,
+                                 name="n").tolist())
+        buf[:] = r * k
+        hnp.allreduce_(buf, op=hnp.Average, name="n_")
+        got.append(buf.tolist())
+    ran = api.runtime().ran_here
+    hnp.shutdown()
+    return got, ran
+
+
+def test_the_array_front_ends_synchronous_allreduce_runs_here_too():
+    results = run_ranks(_numpy_loop, np=2, timeout=120)
+    for got, ran in results:
+        for k in range(ROUNDS):
+            assert got[2 * k] == [2 * k + 1] * 3, (k, got[2 * k])
+            assert got[2 * k + 1] == [k / 2] * 5, (k, got[2 * k + 1])
+        assert ran >= ROUNDS, ran
