@@ -419,7 +419,7 @@ class Runtime:
         negotiation and the same result, with far less Python per call.
         """
         handle = None
-        if set_id == 0 and self.caller_cycles and self._sets_alone is not None:
+        if set_id == 0 and self.caller_cycles:
             handle = self._run_here(entry, origin)
         if handle is None:
             handle = self.submit([entry], set_id, origin)[0]
