@@ -426,7 +426,7 @@ class Runtime:
         return self.wait(handle)
 
     @property
-    def _sets_alone(self) -> Optional[ProcessSetState]:
+    def _lone_global_set(self) -> Optional[ProcessSetState]:
         """The global set when it is the only one, negotiates on shared memory
         and nothing stops the job (else None)."""
         states = self.process_sets
@@ -449,7 +449,7 @@ class Runtime:
         if not lock.acquire(blocking=False):
             return None
         try:
-            state = self._sets_alone
+            state = self._lone_global_set
             if state is None or not state.controller.idle or self.sets.has_changes():
                 return None
             entry.handle = Handle(entry.request.name, self.handle_lock)

@@ -19,8 +19,8 @@ from hvdlike.core.handles import Handle
 from hvdlike.core.messages import ReduceOp
 from hvdlike.core.process_sets import global_process_set
 from hvdlike.frontend.submit import (  # noqa: F401  (shared by every front end)
-    GroupHandle, barrier, join, name_for as _name, poll, run as _run_one, set_size as _set_size, submit,
-    synchronize, wait as _wait,
+    GroupHandle, barrier, join, name_for as _name, poll, run as _run_one,
+    set_size as _set_size, submit, synchronize, wait as _wait,
 )
 
 from .compression import Compression
