@@ -10,20 +10,24 @@ import torch
 from tests.multiproc.harness import run_ranks
 
 
-def _killed_mid_training():
+def _killed_mid_training(repeat):
     import hvdlike.torch as hvd
+    from hvdlike.core import api
     from hvdlike.core.errors import HorovodInternalError
 
     hvd.init()
     r = hvd.rank()
     for step in range(5):
-        hvd.allreduce(torch.ones(100), name=f"step{step}")
+        hvd.allreduce(torch.ones(100), name="step" if repeat else f"step{step}")
+    # One name repeated is learned after three rounds and then runs on the
+    # calling thread (Runtime.run); fresh names are negotiated every time.
+    print("RAN_HERE", api.runtime().ran_here, flush=True)
     if r == 1:
         os.kill(os.getpid(), signal.SIGKILL)
     started = time.monotonic()
     try:
         for step in range(5, 1000):
-            hvd.allreduce(torch.ones(100), name=f"step{step}")
+            hvd.allreduce(torch.ones(100), name="step" if repeat else f"step{step}")
         return "no error"
     except HorovodInternalError as exc:
         print("ELAPSED", time.monotonic() - started)
@@ -36,12 +40,15 @@ def _killed_mid_training():
         return "raised"
 
 
-def test_dead_peer_fails_pending_and_future_collectives_naming_it():
-    codes, outputs = run_ranks(_killed_mid_training, np=2, expect_failure=True, timeout=60,
-                               env={"HVDLIKE_GLOO_TIMEOUT_SECONDS": "20"})
+@pytest.mark.parametrize("repeat", [False, True], ids=["fresh-names", "one-name-repeated"])
+def test_dead_peer_fails_pending_and_future_collectives_naming_it(repeat):
+    codes, outputs = run_ranks(_killed_mid_training, np=2, args=(repeat,), expect_failure=True,
+                               timeout=60, env={"HVDLIKE_GLOO_TIMEOUT_SECONDS": "20"})
     assert codes[1] == -signal.SIGKILL
     assert codes[0] == 0, outputs[0]
     out = outputs[0]
+    ran_here = int(out.split("RAN_HERE")[1].split()[0])
+    assert (ran_here > 0) == repeat, out
     elapsed = float(out.split("ELAPSED")[1].split()[0])
     assert elapsed < 20, out
     message = out.split("MESSAGE")[1].split("\n")[0]

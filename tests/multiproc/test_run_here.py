@@ -5,11 +5,10 @@ order learned, the one thing pending on its rank: ``Runtime.run`` then starts
 the cycle that runs it right there instead of queueing it. These tests check
 that this path is taken, that its results equal a local oracle whatever the
 peers do at the same time (asynchronous submissions, late ranks, new names,
-a rank that never comes back), and that it fails as the queued path does.
+a peer shutting down), and that it fails as the queued path does. A peer
+killed in such a loop: ``test_reliability.py``.
 """
 
-import os
-import signal
 import time
 
 import pytest
@@ -119,44 +118,6 @@ def test_results_stay_right_when_the_peer_submits_asynchronously_and_late():
             want.append([1.0, 1.0])
     assert results[0] == want
     assert results[1] == want
-
-
-def _peer_dies_in_the_loop():
-    import hvdlike.torch as hvd
-    from hvdlike.core import api
-    from hvdlike.core.errors import HorovodInternalError
-
-    hvd.init()
-    r = hvd.rank()
-    for k in range(20):
-        hvd.allreduce(torch.ones(8), name="loop")
-    print("RAN_HERE", api.runtime().ran_here, flush=True)
-    if r == 1:
-        os.kill(os.getpid(), signal.SIGKILL)
-    try:
-        for k in range(100000):
-            hvd.allreduce(torch.ones(8), name="loop")
-        return "no error"
-    except HorovodInternalError as exc:
-        print("MESSAGE", str(exc).replace("\n", " "), flush=True)
-    try:
-        hvd.allreduce(torch.ones(8), name="loop")
-    except HorovodInternalError:
-        print("AFTER raised", flush=True)
-    hvd.shutdown()
-    return "raised"
-
-
-def test_a_peer_killed_in_the_loop_fails_the_next_call_naming_it():
-    codes, outputs = run_ranks(_peer_dies_in_the_loop, np=2, expect_failure=True, timeout=60,
-                               env={"HVDLIKE_GLOO_TIMEOUT_SECONDS": "20"})
-    assert codes[1] == -signal.SIGKILL
-    assert codes[0] == 0, outputs[0]
-    out = outputs[0]
-    assert int(out.split("RAN_HERE")[1].split()[0]) > 0, out
-    message = out.split("MESSAGE")[1].split("\n")[0]
-    assert "rank 1" in message, message
-    assert "AFTER raised" in out
 
 
 def _peer_shuts_down():
