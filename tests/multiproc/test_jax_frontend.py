@@ -163,10 +163,12 @@ def _bad_input(hvd):
     # A name held by another front end: the clash names both.
     import hvdlike.numpy as hnp
 
-    # Each rank's own name stays in flight until the other rank submits it too.
+    # Each rank's own name stays in flight until the other rank submits it too,
+    # which it does only after the barrier: past every rank's attempt to clash.
     mine, other = f"held.{hvd.rank()}", f"held.{1 - hvd.rank()}"
     held = hnp.allreduce_async(np.ones(2), name=mine)
     catch("mixed", lambda: hvd.allreduce_async(jnp.ones(2), name=mine))
+    hnp.barrier()
     released = hnp.allreduce_async(np.ones(2), name=other)
     hnp.synchronize(held)
     hnp.synchronize(released)
