@@ -27,6 +27,7 @@ import torch.distributed as dist
 from . import fusion
 from .adasum import AdasumRunner
 from .errors import HvdlikeInternalError, MismatchError
+from .memo import BoundedMemo
 from .messages import OpType, ReduceOp, Response
 from .tensor_queue import Entry
 from .wire import movable, scale, torch_dtype, wire_dtype
@@ -79,7 +80,6 @@ class _Voted:
 
 
 _VOTED = _Voted()
-_OFFER_MEMO = 256  # responses whose offer terms are kept (a cache's worth)
 # Copies a list of tensors in one call (None on builds without it).
 _foreach_copy = getattr(torch, "_foreach_copy_", None)
 # Splits a flat tensor straight into a list of outputs (None on builds without it).
@@ -144,7 +144,7 @@ class Executor:
         self.recording = recording
         self.pool = fusion.BufferPool()
         self._options: Dict[tuple, Any] = {}
-        self._offers: Dict[int, tuple] = {}  # id(response) -> offer() terms (see there)
+        self._offers = BoundedMemo(256)  # id(response) -> offer() terms (see there)
         self.finisher = Finisher(hooks.explain)
         self.adasum = AdasumRunner(groups, rank, size)  # its group is made on first use
         self.launched = 0
@@ -353,10 +353,7 @@ class Executor:
             if can_reduce is not None and can_reduce(self._reduce_options(response, dtype),
                                                      self._op_key(response, dtype)):
                 terms = (response, dtype, count, self._pre_factor(response))
-        if len(self._offers) >= _OFFER_MEMO:
-            self._offers.clear()
-        self._offers[id(response)] = terms
-        return terms
+        return self._offers.add(id(response), terms)
 
     def allreduce_voted(self, item: Work, parts) -> None:
         """Finish allreduce ``item`` from ``parts``, every member's input sent with

@@ -17,6 +17,7 @@ import struct
 from typing import Callable, List, Optional, Sequence
 
 from . import shm_segment
+from .memo import BoundedMemo
 
 SLOT_BYTES = 64 * 1024
 _LENGTH = struct.Struct("<q")
@@ -54,7 +55,7 @@ class ShmControlPlane:
                                           self.header, total, self.ranks,
                                           settings_.start_timeout_seconds)
         self._step = 0
-        self._views = shm_segment.ShapeViews()  # see _vote_views
+        self._views = BoundedMemo()  # shape -> vote data views, see _vote_views
 
     def _exchange(self, payload: bytes, wanted: Callable[[int], bool]) -> List[bytes]:
         """Every member's ``payload`` (``b""`` for members not ``wanted`` here)."""
@@ -178,7 +179,7 @@ class ShmControlPlane:
 
     def close(self) -> None:
         # Tensors over the mapping: gone before it is unmapped.
-        self._views = shm_segment.ShapeViews()
+        self._views = BoundedMemo()
         segment, self.segment = self.segment, None
         self.abandon = lambda: None
         if segment is not None:

@@ -63,6 +63,7 @@ import torch.distributed as dist
 
 from . import shm_segment
 from .errors import HvdlikeInternalError
+from .memo import BoundedMemo
 from .shm_segment import Segment, job_tag  # noqa: F401 - job_tag re-exported
 
 # Per slot; a segment holds two buffers of (members + 1) slots: 24 MiB for two
@@ -241,7 +242,7 @@ class ShmDataGroup:
         self._views: Dict[tuple, torch.Tensor] = {}
         # (buffer, dtype, elements) -> every member's slot as a view: indexing a
         # tensor costs microseconds, and small allreduces repeat the same shape.
-        self._slots = shm_segment.ShapeViews()
+        self._slots = BoundedMemo()
         self._reducers: Dict[object, Optional[Callable]] = {}
         self.pids: List[int] = []
         self.segment = self._attach(store)

@@ -405,25 +405,6 @@ def read_peer(pid: int, remote: int, local: int, nbytes: int) -> None:
         nbytes -= got
 
 
-class ShapeViews(dict):
-    """Views over a segment kept per shape key, at most ``limit`` keys.
-
-    Making a tensor view costs microseconds and small collectives repeat the
-    same few shapes; a job that keeps changing shapes starts over instead of
-    growing without bound. ``add(key, views)`` stores and returns ``views``.
-    """
-
-    def __init__(self, limit: int = 64):
-        super().__init__()
-        self.limit = limit
-
-    def add(self, key, views):
-        if len(self) >= self.limit:
-            self.clear()
-        self[key] = views
-        return views
-
-
 def header_bytes(members: int, extra_per_member: int = 0) -> int:
     need = members * LINE + members * extra_per_member
     return (need + 4095) // 4096 * 4096

@@ -124,11 +124,3 @@ def test_read_peer_copies_another_process_memory_and_fails_once_it_exited():
         os.waitpid(child, 0)
     with pytest.raises(OSError):
         shm_segment.read_peer(child, ctypes.addressof(source), ctypes.addressof(target), 8)
-
-
-def test_shape_views_keep_at_most_their_limit_then_start_over():
-    views = shm_segment.ShapeViews(limit=2)
-    assert views.add("a", [1]) == [1] and views.add("b", [2]) == [2]
-    assert views.get("a") == [1] and len(views) == 2
-    views.add("c", [3])  # a third shape: the kept ones are dropped, not grown
-    assert dict(views) == {"c": [3]}
