@@ -21,6 +21,8 @@ OPS = ["Sum", "Average", "Min", "Max", "Product"]
 SIZES = [0, 1, 7, 1027, 5000]  # elements; 5000 x 8 bytes spans 7-10 chunks
 # 5000 elements of 8 bytes read the others' tensors directly (where the host allows it).
 ACROSS_MIN_BYTES = 32 * 1024
+# ... a block of 8 KiB at a time: a portion spans several blocks, the last one short.
+ACROSS_BLOCK_BYTES = 8 * 1024
 TAIL_DTYPES = ["float16", "float32", "int64"]
 TAIL_EXTRAS = [1, 5, 17]
 
@@ -63,6 +65,7 @@ def _every_collective(chunk_bytes):
 
     shm_plane.CHUNK_BYTES = chunk_bytes
     shm_plane.ACROSS_MIN_BYTES = ACROSS_MIN_BYTES
+    shm_plane.ACROSS_BLOCK_BYTES = ACROSS_BLOCK_BYTES
     hvd.init()
     r, n = hvd.rank(), hvd.size()
     out = {"plane": _plane_kind(hvd)}

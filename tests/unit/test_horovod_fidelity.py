@@ -96,3 +96,26 @@ def test_an_average_is_a_correctly_rounded_division():
     post = torch.tensor([3.0])
     scale(post, 0.5, 3)  # a postscale factor multiplies by factor / size, as Horovod does
     assert post.item() == 3.0 * (0.5 / 3)
+
+
+def test_an_average_over_a_power_of_two_matches_the_division_bit_for_bit():
+    # Power-of-two sizes multiply by the exact reciprocal instead of dividing:
+    # the same correctly rounded value for every dtype, subnormals, signed
+    # zeros, infinities and NaNs included; other sizes still divide.
+    import torch
+    from hvdlike.core.wire import scale
+    gen = torch.Generator().manual_seed(7)
+    base = torch.cat([torch.randn(4096, generator=gen, dtype=torch.float64) * 1e4,
+                      torch.tensor([0.0, -0.0, 1.0, 3.0, float("inf"), float("-inf"),
+                                    float("nan"), 5e-324, 2.2250738585072014e-308,
+                                    1.4e-45, 1.2e-38, 6e-8, 6.1e-5, 65504.0])])
+    for dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
+        values = base.to(dtype)
+        for size in (2, 4, 8, 64, 1 << 14, 3, 6):
+            got = values.clone()
+            scale(got, 1.0, size)
+            want = values / size
+            same = (got == want) | (got.isnan() & want.isnan())
+            assert bool(same.all()), (dtype, size)
+            # Signed zeros and the sign of NaN-free results match too.
+            assert torch.equal(torch.signbit(got[~got.isnan()]), torch.signbit(want[~want.isnan()]))
