@@ -35,26 +35,26 @@ def plan(responses: Sequence[Response], threshold_bytes: int,
     ordered by their first member, so the order of execution follows the
     order of negotiation.
     """
+    if threshold_bytes <= 0:
+        return [[i] for i in range(len(responses))]
     batches: List[List[int]] = []
-    open_batch: Dict[tuple, Tuple[int, int]] = {}  # key -> (batch index, bytes so far)
+    open_batch: Dict[object, list] = {}  # class -> [batch, bytes so far]
     for i, response in enumerate(responses):
-        key = response.fusion_key()
-        if key is not None and separate_groups:
-            key = (key, response.group)
-        if key is None or threshold_bytes <= 0:
+        key, nbytes = response.fusion_terms
+        if key is None or nbytes >= threshold_bytes:
+            # Alone; a large tensor leaves the open batch of its class open.
             batches.append([i])
             continue
-        nbytes = response.numel * element_size(response.dtype)
-        if nbytes >= threshold_bytes:
-            batches.append([i])  # alone, and the open batch of its key stays open
-            continue
+        if separate_groups:
+            key = (key, response.group)
         current = open_batch.get(key)
         if current is not None and current[1] + nbytes <= threshold_bytes:
-            batches[current[0]].append(i)
-            open_batch[key] = (current[0], current[1] + nbytes)
+            current[0].append(i)
+            current[1] += nbytes
         else:
-            batches.append([i])
-            open_batch[key] = (len(batches) - 1, nbytes)
+            batch = [i]
+            batches.append(batch)
+            open_batch[key] = [batch, nbytes]
     return batches
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import itertools
 import operator
 from typing import Optional, Tuple
 
@@ -123,6 +124,23 @@ def new_request(name: str, op: OpType, dtype: str, shape: Tuple[int, ...], devic
 
 _new_object = object.__new__
 
+# Fusion classes (Response.fusion_terms): key -> number. Bounded, as scale
+# factors that change every step make new keys.
+_FUSION_CLASSES: dict = {}
+_FUSION_CLASSES_MAX = 4096
+_fusion_numbers = itertools.count()
+_ELEMENT_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int8": 1,
+                  "int16": 2, "int32": 4, "int64": 8, "uint8": 1, "bool": 1}
+
+
+def _element_size(dtype: str) -> int:
+    size = _ELEMENT_BYTES.get(dtype)
+    if size is None:  # a dtype beyond the usual ones: ask torch once
+        import torch
+
+        size = _ELEMENT_BYTES[dtype] = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    return size
+
 
 @dataclasses.dataclass(frozen=True)
 class Response:
@@ -169,3 +187,20 @@ class Response:
             return None
         return (self.op, self.dtype, self.device, self.reduce_op, self.prescale,
                 self.postscale, self.joined)
+
+    @functools.cached_property
+    def fusion_terms(self) -> Tuple[Optional[int], int]:
+        """``(fusion class, bytes)``: responses of one class may share a fusion
+        buffer (None: never fused). Classes are small ints standing for
+        :meth:`fusion_key` (equal keys, equal classes), which a planner hashes
+        and compares hundreds of times a cycle far faster than the tuples."""
+        key = self._fusion_key
+        nbytes = self.numel * _element_size(self.dtype)
+        if key is None:
+            return None, nbytes
+        cls = _FUSION_CLASSES.get(key)
+        if cls is None:
+            if len(_FUSION_CLASSES) >= _FUSION_CLASSES_MAX:
+                _FUSION_CLASSES.clear()  # numbers are never reused: stale ones only stop fusing
+            cls = _FUSION_CLASSES.setdefault(key, next(_fusion_numbers))
+        return cls, nbytes
