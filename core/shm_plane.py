@@ -74,9 +74,12 @@ CHUNK_BYTES = 4 << 20
 # Allreduces from this size on read the other members' tensors directly where
 # the host allows it (``_allreduce_across``): three sync points, about 1.25
 # copies of the tensor instead of ~2.25. At 4 MiB (a Linear(1024)
-# weight's gradient) that took 0.77-0.83x the chunked path's time; at 2 MiB and
-# below its third sync point costs more than the copies save.
-ACROSS_MIN_BYTES = 4 << 20
+# weight's gradient) that took 0.77-0.83x the chunked path's time. With blocks
+# that stay in cache (below), in-process A/Bs of Average on 2 ranks gave
+# 0.86-0.92x at 3-3.3 MiB in both a quiet and a loaded minute, while at 2 MiB
+# and below the result flipped with the load (0.84x quiet, 1.03x loaded: the
+# third sync point's wake-up costs more when cores are contended).
+ACROSS_MIN_BYTES = 3 << 20
 # Read and reduced a block at a time into private memory. A block small enough
 # to stay in cache until the reduction (and the average's scaling) reads it:
 # 512 KiB blocks took 0.86x the time of 2 MiB ones for 64 MiB and 0.94x for
