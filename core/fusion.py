@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Sequence
 
 import torch
 

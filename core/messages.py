@@ -124,8 +124,8 @@ def new_request(name: str, op: OpType, dtype: str, shape: Tuple[int, ...], devic
 
 _new_object = object.__new__
 
-# Fusion classes (Response.fusion_terms): key -> number. Bounded, as scale
-# factors that change every step make new keys.
+# Fusion classes (Response.fusion_terms): key -> number, for the first keys
+# seen. Bounded, as scale factors that change every step make new keys.
 _FUSION_CLASSES: dict = {}
 _FUSION_CLASSES_MAX = 4096
 _fusion_numbers = itertools.count()
@@ -191,16 +191,21 @@ class Response:
     @functools.cached_property
     def fusion_terms(self) -> Tuple[Optional[int], int]:
         """``(fusion class, bytes)``: responses of one class may share a fusion
-        buffer (None: never fused). Classes are small ints standing for
-        :meth:`fusion_key` (equal keys, equal classes), which a planner hashes
-        and compares hundreds of times a cycle far faster than the tuples."""
+        buffer (None: never fused). A class is a small int standing for
+        :meth:`fusion_key` (equal keys, equal classes; the key itself once the
+        table of numbers is full), which a planner hashes and compares hundreds
+        of times a cycle far faster than the tuple."""
         key = self._fusion_key
         nbytes = self.numel * _element_size(self.dtype)
         if key is None:
             return None, nbytes
         cls = _FUSION_CLASSES.get(key)
         if cls is None:
-            if len(_FUSION_CLASSES) >= _FUSION_CLASSES_MAX:
-                _FUSION_CLASSES.clear()  # numbers are never reused: stale ones only stop fusing
-            cls = _FUSION_CLASSES.setdefault(key, next(_fusion_numbers))
+            if len(_FUSION_CLASSES) < _FUSION_CLASSES_MAX:
+                cls = _FUSION_CLASSES.setdefault(key, next(_fusion_numbers))
+            else:
+                # Full (never emptied): the key stands for itself. Either way equal
+                # keys get equal classes and unequal keys unequal ones, whatever
+                # came first, so every rank plans the same batches.
+                cls = key
         return cls, nbytes
