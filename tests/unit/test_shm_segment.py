@@ -124,3 +124,12 @@ def test_read_peer_copies_another_process_memory_and_fails_once_it_exited():
         os.waitpid(child, 0)
     with pytest.raises(OSError):
         shm_segment.read_peer(child, ctypes.addressof(source), ctypes.addressof(target), 8)
+
+
+def test_waiters_spin_only_when_every_member_has_a_core(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    assert shm_segment.spin_seconds(1) == shm_segment._SPIN_SECONDS > 0
+    assert shm_segment.spin_seconds(2) == shm_segment._SPIN_SECONDS
+    # More members than cores: a spinning waiter would hold the core a late peer needs.
+    assert shm_segment.spin_seconds(3) == 0.0
+    assert shm_segment.spin_seconds(4) == 0.0
