@@ -108,8 +108,11 @@ def allreduce_sizes(hvd, cfg) -> dict:
             "memcpy": timed(lambda: dst.copy_(src)),
         }
         big = nbytes >= 16 * MIB
-        samples = alternate(contenders, cfg["reps"], max(3, cfg["steps"] // 2) if big else
-                            cfg["steps"], 1 if big else cfg["warmup"])
+        # Calls of a few microseconds: four times the samples (still one call
+        # each), so a median is not decided by a few blocks that started with
+        # both ranks on one core.
+        steps = max(3, cfg["steps"] // 2) if big else cfg["steps"] * (4 if nbytes < MIB else 1)
+        samples = alternate(contenders, cfg["reps"], steps, 1 if big else cfg["warmup"])
         row = {}
         for n, v in samples.items():
             s = summary(v)
