@@ -124,7 +124,9 @@ def spin_seconds(members: int) -> float:
     may wait for a core: a synchronous small allreduce costs about three times
     as much when every wait sleeps. Spinning only pays when every member has a
     core of its own; on a host with more members than usable cores the waiter
-    would take the core the late member needs, so it sleeps right away.
+    would take the core the late member needs, so it sleeps right away. Each
+    spin yields the core, so a waiter sharing a core with a runnable peer (the
+    scheduler sometimes puts both on one) lets that peer run instead.
     """
     try:
         cores = len(os.sched_getaffinity(0))
@@ -256,6 +258,9 @@ class Segment:
                 if not spin_until:
                     spin_until = now + self.spin
                 if now < spin_until:
+                    # Were the peer runnable on this core (the scheduler put both
+                    # here), spinning would only delay it: let it run first.
+                    os.sched_yield()
                     continue
                 if now >= next_check:
                     if next_check:
