@@ -14,11 +14,12 @@ leaves the name; it starts with the job's tag, so the launcher sweeps it.
 Synchronisation uses one 32-bit counter per member, written only by that
 member (no atomic read-modify-write is ever needed): arriving at the k-th
 sync point stores ``k``; waiting for the others means waiting until every
-counter has reached ``k``. A waiter spins a few microseconds, then sleeps in
-the kernel on the peer's counter with ``futex(FUTEX_WAIT)`` (through ctypes,
-the GIL released), and an arriving member wakes sleepers with
-``futex(FUTEX_WAKE)``: an idle or late peer costs no CPU, which matters on a
-host with more ranks than cores. Where futex is unavailable, waiting falls
+counter has reached ``k``. A waiter spins -- up to 50 us, yielding the core
+on every read, when each member has a core of its own; a few reads otherwise
+(``spin_seconds``) -- then sleeps in the kernel on the peer's counter with
+``futex(FUTEX_WAIT)`` (through ctypes, the GIL released), and an arriving
+member wakes sleepers with ``futex(FUTEX_WAKE)``: an idle or late peer costs
+at most the spin, and nothing on a host with more ranks than cores. Where futex is unavailable, waiting falls
 back to naps that grow to 1 ms.
 
 Ordering: counters and data are plain stores. x86-64 keeps stores in program
