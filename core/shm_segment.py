@@ -117,7 +117,7 @@ def sweep(tag: str) -> List[str]:
     return removed
 
 
-def spin_seconds(members: int) -> float:
+def spin_seconds(members: int, cores: Optional[int] = None) -> float:
     """How long a waiter of a segment with ``members`` members spins before sleeping.
 
     A peer that is about to arrive is seen within a microsecond by a spinning
@@ -128,12 +128,51 @@ def spin_seconds(members: int) -> float:
     would take the core the late member needs, so it sleeps right away. Each
     spin yields the core, so a waiter sharing a core with a runnable peer (the
     scheduler sometimes puts both on one) lets that peer run instead.
+
+    ``cores``: the CPUs the members may run on together (:func:`attach` counts
+    the union of every member's affinity mask, so ranks bound one to a core
+    still spin); by default this process's own mask.
     """
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
+    if cores is None:
+        cores = len(affinity())
     return _SPIN_SECONDS if members <= cores else 0.0
+
+
+def affinity() -> set:
+    """The CPUs this process may run on."""
+    try:
+        return set(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return set(range(os.cpu_count() or 1))
+
+
+def _publish_affinity(segment: "Segment", cpus) -> None:
+    """Write this member's CPU mask into its header line (before it marks itself attached)."""
+    words = [0] * _MASK_WORDS
+    beyond = 0
+    for cpu in cpus:
+        if cpu < 32 * _MASK_WORDS:
+            words[cpu // 32] |= 1 << (cpu % 32)
+        else:
+            beyond += 1
+    for i, word in enumerate(words):  # the header's words are signed 32-bit
+        segment.publish(_MASK + i, word - (1 << 32) if word >= 1 << 31 else word)
+    segment.publish(_BEYOND, min(beyond, 0x7FFFFFFF))
+
+
+def shared_cores(segment: "Segment") -> int:
+    """How many CPUs the members may run on together (each member's published mask).
+
+    CPUs numbered beyond the masks' reach are not told apart: the largest such
+    count of one member is added (never more than the members can use).
+    """
+    union = [0] * _MASK_WORDS
+    beyond = 0
+    for member in range(segment.members):
+        for i in range(_MASK_WORDS):
+            union[i] |= segment.read(member, _MASK + i) & 0xFFFFFFFF
+        beyond = max(beyond, segment.read(member, _BEYOND))
+    return sum(bin(word).count("1") for word in union) + beyond
 
 
 class Segment:
@@ -323,8 +362,12 @@ class Segment:
             pass
 
 
-# Header words of each member: 0 is its sync counter, then these.
-_PID, _ATTACHED, _SLEEPING = 1, 2, 3
+# Header words of each member: 0 is its sync counter, then these; the
+# member's CPU mask fills the rest of its line: a bitmap of CPUs 0..351 and the
+# count of its CPUs numbered higher.
+_PID, _ATTACHED, _SLEEPING, _MASK = 1, 2, 3, 4
+_BEYOND = _WORDS_PER_LINE - 1
+_MASK_WORDS = _BEYOND - _MASK
 _ATTACH_POLL_SECONDS = 0.001
 _created = 0
 
@@ -349,6 +392,7 @@ def attach(store, key: str, tag: str, me: int, members: int, header: int, size: 
         segment = Segment(mm, members, me, header)
         segment.name = name
         segment.publish(_PID, os.getpid())
+        _publish_affinity(segment, affinity())
         segment.publish(_ATTACHED, 1)
         deadline = time.monotonic() + timeout_seconds
         while not all(segment.read(m, _ATTACHED) for m in range(members)):
@@ -368,6 +412,7 @@ def attach(store, key: str, tag: str, me: int, members: int, header: int, size: 
         if name:
             unlink(name)  # mapped by everyone (or failed): drop the name
     segment.pids = [segment.read(m, _PID) for m in range(members)]
+    segment.spin = spin_seconds(members, shared_cores(segment))
     return segment
 
 

@@ -133,3 +133,27 @@ def test_waiters_spin_only_when_every_member_has_a_core(monkeypatch):
     # More members than cores: a spinning waiter would hold the core a late peer needs.
     assert shm_segment.spin_seconds(3) == 0.0
     assert shm_segment.spin_seconds(4) == 0.0
+
+
+def _two_members(masks):
+    import mmap as _mmap
+
+    mm = _mmap.mmap(-1, 4096)
+    views = [shm_segment.Segment(mm, len(masks), me, 4096) for me in range(len(masks))]
+    for view, cpus in zip(views, masks):
+        shm_segment._publish_affinity(view, cpus)
+    return views
+
+
+@pytest.mark.parametrize("masks, cores", [
+    ([{0}, {1}], 2),                  # ranks bound one to a core: each has its own
+    ([{0}, {0}], 1),                  # the whole job confined to one core
+    ([{0, 1}, {0, 1}], 2),
+    ([{31, 63}, {32}], 3),            # CPUs on a word's sign bit and the next word
+    ([{5, 400, 401}, {6, 402}], 4),   # beyond the bitmap: the largest count is added
+])
+def test_every_member_reads_the_union_of_the_members_cpu_masks(masks, cores):
+    for view in _two_members(masks):
+        assert shm_segment.shared_cores(view) == cores
+    spin = shm_segment.spin_seconds(len(masks), cores)
+    assert (spin > 0) == (cores >= len(masks))
