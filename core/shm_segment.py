@@ -55,6 +55,7 @@ _SPIN_SECONDS = 50e-6
 _SLICE_SECONDS = 0.1  # longest single sleep: how often liveness is checked
 _FIRST_NAP_SECONDS = 0.002  # first sleep of a wait (bounds the cost of a missed wake)
 _FENCE = threading.Lock()
+_sched_yield = getattr(os, "sched_yield", lambda: None)
 
 
 def _fence() -> None:
@@ -300,7 +301,7 @@ class Segment:
                 if now < spin_until:
                     # Were the peer runnable on this core (the scheduler put both
                     # here), spinning would only delay it: let it run first.
-                    os.sched_yield()
+                    _sched_yield()
                     continue
                 if now >= next_check:
                     if next_check:
