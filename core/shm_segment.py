@@ -132,11 +132,68 @@ def spin_seconds(members: int, cores: Optional[int] = None) -> float:
 
     ``cores``: the CPUs the members may run on together (:func:`attach` counts
     the union of every member's affinity mask, so ranks bound one to a core
-    still spin); by default this process's own mask.
+    still spin, capped by the cgroup's CPU quota); by default this process's
+    own mask.
     """
     if cores is None:
         cores = len(affinity())
     return _SPIN_SECONDS if members <= cores else 0.0
+
+
+def cpu_quota(root: str = "/sys/fs/cgroup", membership: str = "/proc/self/cgroup") -> Optional[float]:
+    """CPUs' worth of time this process's cgroup may use per period, or None (no limit seen).
+
+    A container limited to two CPUs on a larger host still shows every CPU in
+    its affinity mask; the quota (cgroup v2 ``cpu.max``, v1
+    ``cpu.cfs_quota_us``/``cpu.cfs_period_us``) is what says how many run at once.
+    """
+    try:
+        with open(membership) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    candidates = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        path = path.strip("/")
+        if controllers == "":
+            for base in (os.path.join(root, path), root):
+                candidates.append(("v2", os.path.join(base, "cpu.max")))
+        elif "cpu" in controllers.split(","):
+            for base in (os.path.join(root, controllers, path), os.path.join(root, controllers),
+                         os.path.join(root, "cpu", path), os.path.join(root, "cpu")):
+                candidates.append(("v1", os.path.join(base, "cpu.cfs_quota_us")))
+    for kind, path in candidates:
+        try:
+            if kind == "v2":
+                with open(path) as f:
+                    quota, period = f.read().split()[:2]
+                if quota == "max":
+                    return None
+            else:
+                with open(path) as f:
+                    quota = f.read().strip()
+                with open(os.path.join(os.path.dirname(path), "cpu.cfs_period_us")) as f:
+                    period = f.read().strip()
+                if int(quota) < 0:
+                    return None
+            return int(quota) / int(period) if int(period) > 0 else None
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def spin_for(segment: "Segment") -> float:
+    """:func:`spin_seconds` for ``segment``'s members: their CPU masks together,
+    capped by this process's cgroup quota."""
+    cores = shared_cores(segment)
+    quota = cpu_quota()
+    if quota is not None:  # the cgroup runs at most this many at once
+        cores = min(cores, max(1, int(quota)))
+    return spin_seconds(segment.members, cores)
 
 
 def affinity() -> set:
@@ -413,7 +470,7 @@ def attach(store, key: str, tag: str, me: int, members: int, header: int, size: 
         if name:
             unlink(name)  # mapped by everyone (or failed): drop the name
     segment.pids = [segment.read(m, _PID) for m in range(members)]
-    segment.spin = spin_seconds(members, shared_cores(segment))
+    segment.spin = spin_for(segment)
     return segment
 
 

@@ -157,3 +157,36 @@ def test_every_member_reads_the_union_of_the_members_cpu_masks(masks, cores):
         assert shm_segment.shared_cores(view) == cores
     spin = shm_segment.spin_seconds(len(masks), cores)
     assert (spin > 0) == (cores >= len(masks))
+
+
+def _cgroup(tmp_path, membership, files):
+    tmp_path.mkdir()
+    (tmp_path / "cgroup").write_text(membership)
+    for rel, text in files.items():
+        path = tmp_path / "fs" / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return shm_segment.cpu_quota(str(tmp_path / "fs"), str(tmp_path / "cgroup"))
+
+
+def test_a_cgroup_cpu_quota_caps_the_cores_a_job_may_spin_on(tmp_path):
+    v2 = "0::/job.slice/rank\n"
+    assert _cgroup(tmp_path / "a", v2, {"job.slice/rank/cpu.max": "200000 100000\n"}) == 2.0
+    assert _cgroup(tmp_path / "b", v2, {"job.slice/rank/cpu.max": "max 100000\n"}) is None
+    # Inside a container the cgroup's own directory is the root.
+    assert _cgroup(tmp_path / "c", "0::/\n", {"cpu.max": "150000 100000\n"}) == 1.5
+    v1 = "4:memory:/x\n3:cpu,cpuacct:/x\n"
+    assert _cgroup(tmp_path / "d", v1, {"cpu,cpuacct/x/cpu.cfs_quota_us": "-1\n",
+                                        "cpu,cpuacct/x/cpu.cfs_period_us": "100000\n"}) is None
+    assert _cgroup(tmp_path / "e", v1, {"cpu,cpuacct/x/cpu.cfs_quota_us": "300000\n",
+                                        "cpu,cpuacct/x/cpu.cfs_period_us": "100000\n"}) == 3.0
+    assert _cgroup(tmp_path / "f", v1, {}) is None  # nothing readable: no limit seen
+    assert _cgroup(tmp_path / "g", "garbage", {}) is None
+    assert shm_segment.cpu_quota(str(tmp_path / "none"), str(tmp_path / "missing")) is None
+
+
+@pytest.mark.parametrize("quota, spins", [(None, True), (2.0, True), (1.5, False), (1.0, False)])
+def test_the_quota_is_applied_to_the_members_cores(monkeypatch, quota, spins):
+    monkeypatch.setattr(shm_segment, "cpu_quota", lambda: quota)
+    for view in _two_members([{0}, {1}]):
+        assert (shm_segment.spin_for(view) > 0) == spins
