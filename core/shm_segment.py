@@ -19,8 +19,8 @@ on every read, when each member has a core of its own; a few reads otherwise
 (``spin_seconds``) -- then sleeps in the kernel on the peer's counter with
 ``futex(FUTEX_WAIT)`` (through ctypes, the GIL released), and an arriving
 member wakes sleepers with ``futex(FUTEX_WAKE)``: an idle or late peer costs
-at most the spin, and nothing on a host with more ranks than cores. Where futex is unavailable, waiting falls
-back to naps that grow to 1 ms.
+at most the spin, and nothing on a host with more ranks than cores. Where
+futex is unavailable, waiting falls back to naps that grow to 1 ms.
 
 Ordering: counters and data are plain stores. x86-64 keeps stores in program
 order and loads in program order, so data written before a counter is seen
@@ -140,7 +140,8 @@ def spin_seconds(members: int, cores: Optional[int] = None) -> float:
     return _SPIN_SECONDS if members <= cores else 0.0
 
 
-def cpu_quota(root: str = "/sys/fs/cgroup", membership: str = "/proc/self/cgroup") -> Optional[float]:
+def cpu_quota(root: str = "/sys/fs/cgroup",
+              membership: str = "/proc/self/cgroup") -> Optional[float]:
     """CPUs' worth of time this process's cgroup may use per period, or None (no limit seen).
 
     A container limited to two CPUs on a larger host still shows every CPU in
@@ -222,7 +223,8 @@ def shared_cores(segment: "Segment") -> int:
     """How many CPUs the members may run on together (each member's published mask).
 
     CPUs numbered beyond the masks' reach are not told apart: the largest such
-    count of one member is added (never more than the members can use).
+    count of one member is added (an undercount when members hold different
+    ones, which only makes waiters sleep sooner).
     """
     union = [0] * _MASK_WORDS
     beyond = 0
