@@ -254,7 +254,7 @@ class Segment:
         self.words = words
         self.base = ctypes.addressof(words)
         self.count = 0  # sync points passed by this member
-        self.spin = spin_seconds(members)
+        self.spin = 0.0  # seconds a waiter spins: set by attach() once every member's mask is in
         self.pids: List[int] = []
         self.name = ""
 
