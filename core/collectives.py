@@ -29,6 +29,12 @@ _ADASUM = ReduceOp.ADASUM
 
 
 _DTYPE_NAMES: dict = {}
+# name -> the last allreduce request submitted under it. A request is immutable,
+# so a training loop that submits the same name, shape and options every step
+# gets the same object back instead of a new one per tensor, and the response
+# cache recognises it by identity (ResponseCache.lookup_many).
+_ALLREDUCE_REQUESTS: dict = {}
+_ALLREDUCE_REQUESTS_MAX = 8192
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -101,9 +107,20 @@ def allreduce_entry(tensor, name: str, op=ReduceOp.AVERAGE, prescale_factor=1.0,
         if inplace:
             finish = _copy_back(tensor)
     # _request spelled out: allreduce is the collective submitted by the hundred.
-    request = new_request(name, _ALLREDUCE, dtype_name(tensor.dtype), tuple(tensor.shape),
-                          "cpu" if tensor.is_cpu else tensor.device.type, reduce_op,
-                          float(prescale_factor), float(postscale_factor), group, group_size)
+    dtype = dtype_name(tensor.dtype)
+    shape = tuple(tensor.shape)
+    device = "cpu" if tensor.is_cpu else tensor.device.type
+    prescale, postscale = float(prescale_factor), float(postscale_factor)
+    request = _ALLREDUCE_REQUESTS.get(name)
+    if (request is None or request.shape != shape or request.dtype != dtype
+            or request.reduce_op is not reduce_op or request.prescale != prescale
+            or request.postscale != postscale or request.device != device
+            or request.group != group or request.group_size != group_size):
+        request = new_request(name, _ALLREDUCE, dtype, shape, device, reduce_op, prescale,
+                              postscale, group, group_size)
+        if len(_ALLREDUCE_REQUESTS) >= _ALLREDUCE_REQUESTS_MAX:
+            _ALLREDUCE_REQUESTS.clear()
+        _ALLREDUCE_REQUESTS[name] = request
     return Entry(request, tensor, output, None, finish)
 
 

@@ -31,12 +31,17 @@ _MISS = (Lookup.MISS, -1)
 
 
 class ResponseCache:
-    """LRU map name -> (slot, response, own request signature)."""
+    """LRU map name -> slot -> (response, own request signature, own request).
+
+    The own request is kept too: a front end that reuses its request object
+    for a name (``collectives.allreduce_entry``) is matched by identity, with
+    no signature built and compared per tensor.
+    """
 
     def __init__(self, capacity: int):
         self.capacity = capacity
         self._lru: "collections.OrderedDict[str, int]" = collections.OrderedDict()
-        self._slots: List[Optional[Tuple[Response, tuple]]] = []
+        self._slots: List[Optional[Tuple[Response, tuple, Request]]] = []
         self._free: List[int] = []
 
     def __len__(self) -> int:
@@ -51,8 +56,8 @@ class ResponseCache:
         slot = self._lru.get(request.name)
         if slot is None:
             return Lookup.MISS, -1
-        _, signature = self._slots[slot]
-        if signature != request.signature():
+        _, signature, own = self._slots[slot]
+        if own is not request and signature != request.signature():
             return Lookup.CONFLICT, slot
         return Lookup.HIT, slot
 
@@ -68,7 +73,9 @@ class ResponseCache:
             slot = get(request.name)
             if slot is None:
                 append(_MISS)
-            elif cached[slot][1] != signature(request):
+                continue
+            mine = cached[slot]
+            if mine[2] is not request and mine[1] != signature(request):
                 append((conflict, slot))
             else:
                 append((hit, slot))
@@ -107,7 +114,7 @@ class ResponseCache:
         else:
             slot = len(self._slots)
             self._slots.append(None)
-        self._slots[slot] = (response, own.signature())
+        self._slots[slot] = (response, own.signature(), own)
         self._lru[response.name] = slot
         return evicted
 

@@ -379,19 +379,34 @@ class Runtime:
             self._to_set_roots(entries, state)
         now = time.monotonic()
         lock = self.handle_lock
+        if len(entries) == 1:  # the usual case, by the hundred per step: no loops
+            entry = entries[0]
+            handle = entry.handle = Handle(entry.request.name, lock)
+            entry.enqueued_at = now
+            entry.set_id = set_id
+            entry.origin = origin
+            state.queue.put(entries)
+            if set_id:
+                self._check_set(state, set_id, entries)
+            return [handle]
         for entry in entries:
             entry.handle = Handle(entry.request.name, lock)
             entry.enqueued_at = now
             entry.set_id = set_id
             entry.origin = origin
         state.queue.put(entries)
-        if set_id and self.process_sets.get(set_id) is not state:
+        if set_id:
+            self._check_set(state, set_id, entries)
+        return [entry.handle for entry in entries]
+
+    def _check_set(self, state: ProcessSetState, set_id: int, entries: List[Entry]) -> None:
+        """Fail ``entries`` if their process set was removed while they were queued."""
+        if self.process_sets.get(set_id) is not state:
             # The set was removed meanwhile and its queue drained: nothing runs these.
             error = HvdlikeInternalError(f"process set {set_id} was removed before "
                                          f"{entries[0].request.name!r} could run")
             for entry in entries:
                 entry.handle.set_error(error)
-        return [entry.handle for entry in entries]
 
     @staticmethod
     def _to_set_roots(entries: List[Entry], state: ProcessSetState) -> None:

@@ -64,22 +64,32 @@ def _allreduce_entries(tensors, name, inplace, op, prescale_factor, postscale_fa
                                  prescale_factor, postscale_factor, inplace)]
 
 
+def _allreduce_async(tensor, name, inplace, op, prescale_factor, postscale_factor,
+                     process_set) -> Handle:
+    # _allreduce_entries and _submit for one tensor, flattened: the call
+    # submitted by the hundred per step, where each Python call layer counts.
+    reduce_op = core.check_op(op, "allreduce")  # before naming, as there
+    if type(name) is not str:
+        name = _name(name, "allreduce", process_set)
+    entry = core.allreduce_entry(tensor, name, reduce_op, prescale_factor, postscale_factor,
+                                 inplace)
+    return submit([entry], process_set, "hvdlike.torch")[0]
+
+
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                     postscale_factor=1.0, process_set=global_process_set) -> Handle:
     """Start an allreduce of ``tensor``; returns a handle for :func:`synchronize`."""
     op = _reduce_op(average, op, "allreduce_async")
-    entries = _allreduce_entries(tensor, name, False, op, prescale_factor, postscale_factor,
-                                 process_set, False)
-    return _submit(entries, process_set)[0]
+    return _allreduce_async(tensor, name, False, op, prescale_factor, postscale_factor,
+                            process_set)
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                      postscale_factor=1.0, process_set=global_process_set) -> Handle:
     """In-place :func:`allreduce_async`: the result overwrites ``tensor``."""
     op = _reduce_op(average, op, "allreduce_async_")
-    entries = _allreduce_entries(tensor, name, True, op, prescale_factor, postscale_factor,
-                                 process_set, False)
-    return _submit(entries, process_set)[0]
+    return _allreduce_async(tensor, name, True, op, prescale_factor, postscale_factor,
+                            process_set)
 
 
 def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
