@@ -29,10 +29,12 @@ _ADASUM = ReduceOp.ADASUM
 
 
 _DTYPE_NAMES: dict = {}
-# name -> the last allreduce request submitted under it. A request is immutable,
-# so a training loop that submits the same name, shape and options every step
-# gets the same object back instead of a new one per tensor, and the response
-# cache recognises it by identity (ResponseCache.lookup_many).
+# name -> (the last allreduce request submitted under it, what it was built
+# from). A request is immutable, so a training loop that submits the same name,
+# shape and options every step gets the same object back instead of a new one
+# per tensor, and the response cache recognises it by identity
+# (ResponseCache.lookup_many). Cleared when full: names that change every step
+# (automatic names) only churn it.
 _ALLREDUCE_REQUESTS: dict = {}
 _ALLREDUCE_REQUESTS_MAX = 8192
 
@@ -94,11 +96,29 @@ def _copy_back(target: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
 
 def allreduce_entry(tensor, name: str, op=ReduceOp.AVERAGE, prescale_factor=1.0,
                     postscale_factor=1.0, inplace=False, group="", group_size=0) -> Entry:
-    tensor = check_tensor(tensor, "allreduce", REDUCIBLE)
     reduce_op = check_op(op, "allreduce")
-    if reduce_op is _ADASUM and not tensor.is_floating_point():
-        raise TypeError(f"allreduce: op Adasum needs a floating-point tensor, got "
-                        f"{dtype_name(tensor.dtype)}")
+    if not isinstance(tensor, torch.Tensor) or tensor.is_sparse:
+        check_tensor(tensor, "allreduce", REDUCIBLE)  # raises, naming what is wrong
+    prescale, postscale = float(prescale_factor), float(postscale_factor)
+    # The request is built once per name and reused while everything it says
+    # stays the same: the collective submitted by the hundred per step (see
+    # _ALLREDUCE_REQUESTS). ``terms`` are the inputs it was built from.
+    terms = (tensor.dtype, reduce_op, prescale, postscale, group, group_size,
+             True if tensor.is_cpu else tensor.device.type)
+    known = _ALLREDUCE_REQUESTS.get(name)
+    if known is not None and known[1] == terms and known[0].shape == tensor.shape:
+        request = known[0]
+    else:
+        check_tensor(tensor, "allreduce", REDUCIBLE)
+        if reduce_op is _ADASUM and not tensor.is_floating_point():
+            raise TypeError(f"allreduce: op Adasum needs a floating-point tensor, got "
+                            f"{dtype_name(tensor.dtype)}")
+        request = new_request(name, _ALLREDUCE, dtype_name(tensor.dtype), tuple(tensor.shape),
+                              "cpu" if tensor.is_cpu else tensor.device.type, reduce_op,
+                              prescale, postscale, group, group_size)
+        if len(_ALLREDUCE_REQUESTS) >= _ALLREDUCE_REQUESTS_MAX:
+            _ALLREDUCE_REQUESTS.clear()
+        _ALLREDUCE_REQUESTS[name] = (request, terms)
     finish = None
     if inplace and tensor.is_contiguous():
         output = tensor
@@ -106,21 +126,6 @@ def allreduce_entry(tensor, name: str, op=ReduceOp.AVERAGE, prescale_factor=1.0,
         output = torch.empty_like(tensor, memory_format=torch.contiguous_format)
         if inplace:
             finish = _copy_back(tensor)
-    # _request spelled out: allreduce is the collective submitted by the hundred.
-    dtype = dtype_name(tensor.dtype)
-    shape = tuple(tensor.shape)
-    device = "cpu" if tensor.is_cpu else tensor.device.type
-    prescale, postscale = float(prescale_factor), float(postscale_factor)
-    request = _ALLREDUCE_REQUESTS.get(name)
-    if (request is None or request.shape != shape or request.dtype != dtype
-            or request.reduce_op is not reduce_op or request.prescale != prescale
-            or request.postscale != postscale or request.device != device
-            or request.group != group or request.group_size != group_size):
-        request = new_request(name, _ALLREDUCE, dtype, shape, device, reduce_op, prescale,
-                              postscale, group, group_size)
-        if len(_ALLREDUCE_REQUESTS) >= _ALLREDUCE_REQUESTS_MAX:
-            _ALLREDUCE_REQUESTS.clear()
-        _ALLREDUCE_REQUESTS[name] = request
     return Entry(request, tensor, output, None, finish)
 
 

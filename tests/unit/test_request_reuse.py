@@ -1,0 +1,106 @@
+"""Allreduce requests reused per name, and the response cache matching them by identity."""
+
+import pytest
+import torch
+
+from hvdlike.core import collectives as core
+from hvdlike.core.messages import OpType, ReduceOp, Request, Response
+from hvdlike.core.response_cache import Lookup, ResponseCache
+
+
+@pytest.fixture(autouse=True)
+def _fresh_memo():
+    core._ALLREDUCE_REQUESTS.clear()
+    yield
+    core._ALLREDUCE_REQUESTS.clear()
+
+
+def _request(tensor, name="g", **kw):
+    return core.allreduce_entry(tensor, name, **kw).request
+
+
+def test_same_name_shape_and_options_give_the_same_request():
+    a = _request(torch.ones(3, 2), op=ReduceOp.SUM)
+    b = _request(torch.zeros(3, 2), op=ReduceOp.SUM)  # another tensor, same terms
+    assert a is b
+    assert (a.name, a.dtype, a.shape, a.device, a.reduce_op) == \
+        ("g", "float32", (3, 2), "cpu", ReduceOp.SUM)
+
+
+@pytest.mark.parametrize("change", [
+    dict(tensor=torch.ones(3, 3)),
+    dict(tensor=torch.ones(6)),
+    dict(tensor=torch.ones(3, 2, dtype=torch.float64)),
+    dict(op=ReduceOp.MAX),
+    dict(prescale_factor=0.5),
+    dict(postscale_factor=2.0),
+    dict(group="grp", group_size=2),
+    dict(name="other"),
+])
+def test_any_change_gives_a_new_request_that_says_so(change):
+    base = dict(tensor=torch.ones(3, 2), name="g", op=ReduceOp.SUM, prescale_factor=1.0,
+                postscale_factor=1.0)
+    first = _request(**base)
+    kw = {**base, **change}
+    second = _request(**kw)
+    assert second is not first
+    assert second.shape == tuple(kw["tensor"].shape)
+    assert second.dtype == str(kw["tensor"].dtype).replace("torch.", "")
+    assert (second.reduce_op, second.prescale, second.postscale, second.group, second.name) == (
+        kw["op"], kw["prescale_factor"], kw["postscale_factor"], kw.get("group", ""), kw["name"])
+    # and back again: the memo follows the last submission, never a stale one
+    assert _request(**base).shape == (3, 2)
+
+
+def test_bad_input_under_a_known_name_is_still_refused():
+    _request(torch.ones(4), op=ReduceOp.SUM)
+    with pytest.raises(TypeError, match="sparse"):
+        core.allreduce_entry(torch.ones(4).to_sparse(), "g", ReduceOp.SUM)
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        core.allreduce_entry([1.0, 2.0, 3.0, 4.0], "g", ReduceOp.SUM)
+    with pytest.raises(TypeError, match="complex64"):
+        core.allreduce_entry(torch.ones(4, dtype=torch.complex64), "g", ReduceOp.SUM)
+    with pytest.raises(ValueError, match="unknown reduction op"):
+        core.allreduce_entry(torch.ones(4), "g", 17)
+    core.allreduce_entry(torch.ones(4), "a", ReduceOp.ADASUM)
+    with pytest.raises(TypeError, match="Adasum"):
+        core.allreduce_entry(torch.ones(4, dtype=torch.int32), "a", ReduceOp.ADASUM)
+
+
+def test_in_place_and_out_of_place_share_the_request_not_the_output():
+    t = torch.ones(4)
+    inplace = core.allreduce_entry(t, "g", ReduceOp.SUM, inplace=True)
+    copy = core.allreduce_entry(t, "g", ReduceOp.SUM, inplace=False)
+    assert inplace.request is copy.request
+    assert inplace.output is t and copy.output is not t
+    strided = torch.ones(4, 2).t()  # not contiguous: a private output, copied back
+    entry = core.allreduce_entry(strided, "s", ReduceOp.SUM, inplace=True)
+    assert entry.output is not strided and entry.finish is not None
+
+
+def test_the_memo_is_bounded(monkeypatch):
+    monkeypatch.setattr(core, "_ALLREDUCE_REQUESTS_MAX", 8)
+    for i in range(50):
+        _request(torch.ones(2), name=f"auto.{i}")
+    assert len(core._ALLREDUCE_REQUESTS) <= 8
+
+
+def _response(name, shape=(2,)):
+    return Response(name=name, op=OpType.ALLREDUCE, dtype="float32", shape=shape)
+
+
+def test_cache_matches_its_own_request_by_identity_and_others_by_signature():
+    cache = ResponseCache(4)
+    own = Request(name="x", op=OpType.ALLREDUCE, dtype="float32", shape=(2,))
+    slot = None
+    cache.put(_response("x"), own)
+    slot = cache.snapshot()["x"]
+    assert cache.lookup(own) == (Lookup.HIT, slot)
+    equal = Request(name="x", op=OpType.ALLREDUCE, dtype="float32", shape=(2,))
+    other = Request(name="x", op=OpType.ALLREDUCE, dtype="float32", shape=(3,))
+    assert cache.lookup(equal) == (Lookup.HIT, slot)
+    assert cache.lookup(other) == (Lookup.CONFLICT, slot)
+    assert cache.lookup_many([own, equal, other]) == [
+        (Lookup.HIT, slot), (Lookup.HIT, slot), (Lookup.CONFLICT, slot)]
+    assert cache.lookup_many([Request(name="y", op=OpType.ALLREDUCE, dtype="float32",
+                                      shape=(2,))]) == [(Lookup.MISS, -1)]
