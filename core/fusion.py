@@ -64,6 +64,9 @@ class BufferPool:
     def __init__(self):
         self._lock = threading.Lock()
         self._free: Dict[tuple, List[torch.Tensor]] = {}
+        # Bumped whenever the pool makes or lets go of a buffer: what others keep
+        # about its buffers (Executor._split_views) is current while it is unchanged.
+        self.generation = 0
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A flat buffer of at least ``numel`` elements; slice it, give it back whole."""
@@ -75,6 +78,7 @@ class BufferPool:
                     return free.pop(i)
             if free:
                 free.pop(0)  # too small: drop it, a larger one replaces it
+            self.generation += 1
         return torch.empty(numel, dtype=dtype, device=device)
 
     def give(self, buffer: torch.Tensor) -> None:
@@ -83,7 +87,10 @@ class BufferPool:
             free = self._free.setdefault((str(buffer.device), buffer.dtype), [])
             if len(free) < 4:
                 free.append(buffer)
+            else:
+                self.generation += 1
 
     def clear(self) -> None:
         with self._lock:
             self._free.clear()
+            self.generation += 1

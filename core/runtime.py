@@ -369,12 +369,15 @@ class Runtime:
         rank within the set is stamped on a request only when it is sent to the
         coordinator (``Controller._miss``), not here for every tensor.
         """
-        error = self.alive_error()
-        if error is not None or self._stopping:
+        if self.fatal is not None or self._stopping or self._stopped.is_set():
+            error = self.alive_error()
             kind = type(error) if isinstance(error, HvdlikeInternalError) else HvdlikeInternalError
             raise kind(f"cannot submit {entries[0].request.name!r}: "
                        f"{error or 'hvdlike is shutting down'}")
-        state = self.process_set(set_id)
+        sets = self.sets
+        state = sets.states.get(set_id) if sets is not None else None
+        if state is None:
+            state = self.process_set(set_id)  # raises, saying why
         if set_id != 0:
             self._to_set_roots(entries, state)
         now = time.monotonic()

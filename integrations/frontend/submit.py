@@ -99,9 +99,12 @@ def submit(entries, process_set, frontend: str) -> List[Handle]:
         DuplicateNameError: a name is already in flight; the message names the
             front end that submitted it first.
     """
-    set_id = resolve(process_set)
+    set_id = 0 if process_set is global_process_set else resolve(process_set)
+    runtime = current.SLOT.runtime
+    if runtime is None:
+        runtime = api.runtime()  # raises NotInitializedError
     try:
-        return api.runtime().submit(entries, set_id, frontend)
+        return runtime.submit(entries, set_id, frontend)
     except DuplicateNameError as exc:
         raise _name_in_use(exc, entries, frontend) from exc
 

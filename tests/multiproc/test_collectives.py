@@ -116,6 +116,48 @@ def test_empty_noncontiguous_and_oversized():
         assert torch.equal(out["big"], torch.full((300,), 3.0))
 
 
+def _repeated_fused_batches():
+    """Batches of many tensors, repeated (the kept views of the fusion buffer) and changed."""
+    import hvdlike.torch as hvd
+    from hvdlike.core import api
+
+    hvd.init()
+    r = hvd.rank()
+    got = []
+    # Steps 0-2 repeat one batch; step 3 changes sizes under the same names;
+    # step 4 mixes shapes, a 2-D tensor and a float64 tensor; step 5 repeats step 3.
+    layouts = [[(i % 7) + 1 for i in range(40)]] * 3 + [[(i % 5) + 3 for i in range(40)],
+               [(i % 3) + 1 for i in range(24)] + [(2, 3)] * 8, [(i % 5) + 3 for i in range(40)]]
+    for step, layout in enumerate(layouts):
+        tensors = [torch.full(n if isinstance(n, tuple) else (n,), float(step + r * 10 + i))
+                   for i, n in enumerate(layout)]
+        if step == 4:
+            tensors.append(torch.full((5,), float(r + 1), dtype=torch.float64))
+        handles = [hvd.allreduce_async_(t, op=hvd.Sum, name=f"fused.{i}")
+                   for i, t in enumerate(tensors)]
+        for h in handles:
+            hvd.synchronize(h)
+        got.append(tensors)
+    kept = len(api.runtime().process_sets[0].executor._views)
+    hvd.shutdown()
+    return got, kept
+
+
+def test_repeated_and_changing_fused_batches_keep_correct_results():
+    res = run_ranks(_repeated_fused_batches, np=2)
+    for got, kept in res:
+        assert kept >= 1  # the repeated batches did go through kept views
+        for step, tensors in enumerate(got):
+            for i, t in enumerate(tensors):
+                if step == 4 and i == len(tensors) - 1:
+                    assert t.dtype == torch.float64 and torch.equal(t, torch.full((5,), 3.0,
+                                                                                   dtype=torch.float64))
+                    continue
+                want = 2 * (step + i) + 10  # ranks 0 and 1: step+i and step+10+i
+                assert torch.equal(t, torch.full_like(t, float(want))), (step, i, t)
+    assert [t.shape for t in res[0][0][4][24:32]] == [(2, 3)] * 8
+
+
 def _data_movement():
     import hvdlike.torch as hvd
 
