@@ -23,6 +23,9 @@ def _record(path):
     except ValueError as exc:
         errors.append(str(exc))
     hvd.start_timeline(path, mark_cycles=True)
+    # Starting a timeline is local: without this barrier rank 1's request for
+    # "solo" can reach the coordinator before rank 0 records arrivals.
+    hvd.barrier()
     hvd.allreduce(torch.ones(3), name="solo")
     hvd.grouped_allreduce([torch.ones(2), torch.ones(4)], name="grp")
     hvd.broadcast(torch.ones(2), root_rank=1, name="bc")
