@@ -81,6 +81,23 @@ class ResponseCache:
                 append((hit, slot))
         return out
 
+    def own_slots(self, entries) -> Optional[List[int]]:
+        """The slot of each entry, when every entry's request is, as an object,
+        the own request its slot was cached with and none is part of a group --
+        the steady state of a training loop, found without a signature. None
+        otherwise (then :meth:`lookup_many` decides entry by entry)."""
+        get = self._lru.get
+        cached = self._slots
+        out = []
+        append = out.append
+        for entry in entries:
+            request = entry.request
+            slot = get(request.name)
+            if slot is None or cached[slot][2] is not request or request.group:
+                return None
+            append(slot)
+        return out
+
     def response(self, slot: int) -> Response:
         return self._slots[slot][0]
 

@@ -64,8 +64,12 @@ def synchronize(handle, timeout: Optional[float] = None):
     disagreed, ``HvdlikeInternalError`` when the job broke, ``TimeoutError``
     after ``timeout`` seconds.
     """
-    if type(handle) is Handle and handle.done():
-        return handle.wait()  # already complete: no runtime, no blocking
+    if type(handle) is Handle and handle._done:
+        # Already complete: no runtime, no blocking, no further calls (after one
+        # synchronize that ran the cycle, the rest of a step's handles land here).
+        if handle._error is None:
+            return handle._result
+        raise handle._error
     if isinstance(handle, GroupHandle):
         return handle.result([wait(h, timeout) for h in handle.handles])
     if isinstance(handle, Handle):
