@@ -139,8 +139,8 @@ class Controller:
         slots = self.cache.own_slots(entries)
         if (slots is not None and len(set(slots)) == len(slots)
                 and cached.keys().isdisjoint(slots)):
-            # Every entry a plain hit (no join or group among them): what the
-            # loop below would do for each, in three calls.
+            # Every entry a hit (so no join, and no group only partly cached):
+            # what the loop below would do for each, in three calls.
             cached.update(zip(slots, entries))
             entries = ()
         requests = [e.request for e in entries]

@@ -83,9 +83,13 @@ class ResponseCache:
 
     def own_slots(self, entries) -> Optional[List[int]]:
         """The slot of each entry, when every entry's request is, as an object,
-        the own request its slot was cached with and none is part of a group --
-        the steady state of a training loop, found without a signature. None
-        otherwise (then :meth:`lookup_many` decides entry by entry)."""
+        the own request its slot was cached with -- the steady state of a
+        training loop, found without a signature. None otherwise (then
+        :meth:`lookup_many` decides entry by entry).
+
+        Groups need no care here: a group is queued and drained whole, so when
+        every entry is a hit, every group among them is wholly cached.
+        """
         get = self._lru.get
         cached = self._slots
         out = []
@@ -93,7 +97,7 @@ class ResponseCache:
         for entry in entries:
             request = entry.request
             slot = get(request.name)
-            if slot is None or cached[slot][2] is not request or request.group:
+            if slot is None or cached[slot][2] is not request:
                 return None
             append(slot)
         return out

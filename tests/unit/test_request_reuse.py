@@ -165,7 +165,7 @@ def test_reused_requests_are_placed_by_identity_and_run_like_fresh_ones():
     assert all(done.count(n) >= 5 for n in names)
 
 
-def test_own_slots_refuses_anything_but_plain_identity_hits():
+def test_own_slots_refuses_anything_but_identity_hits():
     from hvdlike.core.handles import Handle
     from hvdlike.core.tensor_queue import Entry
 
@@ -185,6 +185,42 @@ def test_own_slots_refuses_anything_but_plain_identity_hits():
     assert cache.own_slots(entries()) == []
     equal = Request(name="a", op=OpType.ALLREDUCE, dtype="float32", shape=(2,))
     assert cache.own_slots(entries(a, equal)) is None  # equal, but not the same object
-    assert cache.own_slots(entries(g)) is None  # groups go the careful way
+    slot_g = cache.snapshot()["g"]
+    assert cache.own_slots(entries(g, a)) == [slot_g, slot_a]  # a group, wholly cached
     assert cache.own_slots(entries(Request(name="new", op=OpType.ALLREDUCE, dtype="float32",
                                            shape=(2,)))) is None
+
+
+def test_reused_group_requests_with_an_evicted_member_are_negotiated_whole():
+    """The identity path never splits a group: after an eviction the group goes the careful way."""
+    from hvdlike.core.controller import Controller
+    from hvdlike.core.handles import Handle
+    from hvdlike.core.tensor_queue import Entry
+    from tests.unit.fake_ranks import Exchange, FastControl, run_in_threads
+
+    group = [(f"g.{i}", "g", 3) for i in range(3)]
+    schedule = [group, [("x", "", 0)], [("y", "", 0)], group, [], group, group]
+    ex = Exchange(2)
+    out = [None, None]
+
+    def body(rank):
+        ctl = Controller(FastControl(ex, rank), 4)
+        own = {}
+        seen = []
+        for specs in schedule:
+            entries = []
+            for name, grp, k in specs:
+                req = own.get(name)
+                if req is None:
+                    req = own[name] = Request(name=name, op=OpType.ALLREDUCE, dtype="float32",
+                                              shape=(2,), group=grp, group_size=k)
+                entries.append(Entry(req, None, None, Handle(name)))
+            result = ctl.cycle(entries)
+            seen.append(sorted(r.name for r, _ in result.work))
+        out[rank] = seen
+
+    run_in_threads(2, body)
+    names = ["g.0", "g.1", "g.2"]
+    assert out[0] == out[1]
+    # g.0 was evicted by y (capacity 4); the group still runs whole, every time.
+    assert out[0][0] == out[0][3] == out[0][5] == out[0][6] == names
