@@ -165,9 +165,11 @@ TRAINING = """
     step = 0
     while True:
         hvd.allreduce(torch.ones(4), name=f"step{step}")
-        if step == 0:
-            with open(os.path.join(here, f"ready.{hvd.rank()}"), "w") as f:
+        if step == 0:  # whole or absent: a reader never sees the file empty
+            ready = os.path.join(here, f"ready.{hvd.rank()}")
+            with open(ready + ".tmp", "w") as f:
                 f.write(str(os.getpid()))
+            os.replace(ready + ".tmp", ready)
         step += 1
         time.sleep(0.05)
 """

@@ -87,6 +87,10 @@ def _reform_many(reforms, failed, timeline, worker_secrets):
 
     state = hvd.elastic.ObjectState(step=0)
     train(state)
+    # Both ranks past their last collective (each one's "alone" runs in its own
+    # set) before either shuts down: a shutdown is agreed in the global set's
+    # next cycle, and fails what the other rank still has pending, as Horovod's does.
+    hvd.barrier()
     hvd.shutdown()
     # the file this process started under its first rank, one JSON array across generations
     with open(timeline.replace("{rank}", os.environ["HVDLIKE_ELASTIC_WORKER"][1:])) as f:
