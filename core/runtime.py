@@ -382,25 +382,17 @@ class Runtime:
             self._to_set_roots(entries, state)
         now = time.monotonic()
         lock = self.handle_lock
-        if len(entries) == 1:  # the usual case, by the hundred per step: no loops
-            entry = entries[0]
+        handles = []
+        for entry in entries:
             handle = entry.handle = Handle(entry.request.name, lock)
             entry.enqueued_at = now
             entry.set_id = set_id
             entry.origin = origin
-            state.queue.put(entries)
-            if set_id:
-                self._check_set(state, set_id, entries)
-            return [handle]
-        for entry in entries:
-            entry.handle = Handle(entry.request.name, lock)
-            entry.enqueued_at = now
-            entry.set_id = set_id
-            entry.origin = origin
+            handles.append(handle)
         state.queue.put(entries)
         if set_id:
             self._check_set(state, set_id, entries)
-        return [entry.handle for entry in entries]
+        return handles
 
     def _check_set(self, state: ProcessSetState, set_id: int, entries: List[Entry]) -> None:
         """Fail ``entries`` if their process set was removed while they were queued."""
