@@ -206,9 +206,20 @@ class Executor:
         current = self.settings.fusion_threshold
         if threshold == current and responses == last:
             return batches
-        batches = fusion.plan(responses, current, self.settings.separate_groups)
+        batches = fusion.plan(responses, current, self.settings.separate_groups, self._alone())
         self._last_plan = (responses, current, batches)
         return batches
+
+    def _alone(self) -> Optional[Dict[str, int]]:
+        """Per device, the tensor size from which fusing costs more than it saves.
+
+        The shared-memory plane reduces a large tensor straight out of every
+        member's own memory; in a fusion buffer it would first be copied in
+        and afterwards out: 8 x 4 MiB took 20 ms fused, 8.5 ms one by one.
+        """
+        plane = self.groups.cpu_plane
+        nbytes = getattr(plane, "alone_bytes", 0) if plane is not None else 0
+        return {"cpu": nbytes} if nbytes else None
 
     def _submit(self, work, items: List[Work], finalize: Callable[[], List[Any]],
                 release: Optional[torch.Tensor] = None) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from typing import Dict, List, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence
 
 import torch
 
@@ -23,7 +23,8 @@ def element_size(dtype: str) -> int:
 
 
 def plan(responses: Sequence[Response], threshold_bytes: int,
-         separate_groups: bool = False) -> List[List[int]]:
+         separate_groups: bool = False,
+         alone: Optional[Mapping[str, int]] = None) -> List[List[int]]:
     """Group fusable responses into batches of at most ``threshold_bytes``.
 
     Responses fuse when their :meth:`Response.fusion_key` is equal (same op,
@@ -34,6 +35,11 @@ def plan(responses: Sequence[Response], threshold_bytes: int,
     response when the threshold is 0, is a batch of its own. Batches are
     ordered by their first member, so the order of execution follows the
     order of negotiation.
+
+    ``alone`` maps a device (``Response.device``) to a size from which its
+    tensors are batches of their own: a data plane that reduces such tensors
+    where they lie (the shared-memory plane reading across processes) would
+    only pay two copies of them for a fusion buffer.
     """
     if threshold_bytes <= 0:
         return [[i] for i in range(len(responses))]
@@ -41,7 +47,8 @@ def plan(responses: Sequence[Response], threshold_bytes: int,
     open_batch: Dict[object, list] = {}  # class -> [batch, bytes so far]
     for i, response in enumerate(responses):
         key, nbytes = response.fusion_terms
-        if key is None or nbytes >= threshold_bytes:
+        if key is None or nbytes >= threshold_bytes or (
+                alone and nbytes >= alone.get(response.device, threshold_bytes)):
             # Alone; a large tensor leaves the open batch of its class open.
             batches.append([i])
             continue

@@ -256,6 +256,7 @@ class MpiDataGroup:
     """CPU allreduce and broadcast on MPI, the rest on the set's Gloo group."""
 
     scales = False  # allreduce() takes no ``post`` (see ShmDataGroup)
+    alone_bytes = 0  # every allreduce may be fused (see ShmDataGroup)
 
     def __init__(self, comm, gloo: Callable[[], object]):
         self.comm = comm

@@ -110,6 +110,7 @@ class HierarchicalGroup:
     """
 
     scales = False  # allreduce() takes no ``post`` (see ShmDataGroup)
+    alone_bytes = 0  # every allreduce may be fused (see ShmDataGroup)
 
     def __init__(self, layout: Sequence[Sequence[int]], rank: int,
                  local: Optional[ShmDataGroup], cross, gloo: Callable[[], object],

@@ -258,6 +258,9 @@ class ShmDataGroup:
         except BaseException:
             self.shutdown()
             raise
+        # Tensors of this many bytes or more are reduced where they lie (read
+        # across): the executor does not stage them in a fusion buffer.
+        self.alone_bytes = ACROSS_MIN_BYTES if self.reads_across else 0
         self._spare: Optional[torch.Tensor] = None
 
     # -- setup ---------------------------------------------------------------------------

@@ -196,7 +196,9 @@ def _fused_training(chunk_bytes, deny_reads_on=None):
     from hvdlike.core import api, bootstrap, shm_plane, shm_segment
 
     shm_plane.CHUNK_BYTES = chunk_bytes
-    shm_plane.ACROSS_MIN_BYTES = 16 * 1024  # the fused 20 KB buffer is read across
+    # The fused 19.8 KB buffer is read across; the 20 KB tensor is reduced where
+    # it lies (never fused) while the plane reads across.
+    shm_plane.ACROSS_MIN_BYTES = 16 * 1024
     if int(os.environ[bootstrap.ENV_RANK]) == deny_reads_on:  # as a host that forbids the reads would
         def denied(*args):
             raise PermissionError(1, "Operation not permitted")
@@ -204,15 +206,21 @@ def _fused_training(chunk_bytes, deny_reads_on=None):
         shm_segment.read_peer = denied
     hvd.init()
     torch.manual_seed(hvd.rank())
-    grads = [torch.randn(n) for n in (1, 33, 1000, 4099, 17)]
+    grads = [torch.randn(n) for n in SIZES_FUSED]
     out = {"plane": _plane_kind(hvd)}
-    plane = api.runtime().process_sets[0].groups.cpu_plane
+    state = api.runtime().process_sets[0]
+    plane = state.groups.cpu_plane
     out["across"] = getattr(plane, "reads_across", None)
     for step in range(3):
-        handles = [hvd.allreduce_async(g * (step + 1), name=f"g{i}") for i, g in enumerate(grads)]
-        out[step] = [hvd.synchronize(h) for h in handles]
+        # One grouped call: every tensor is negotiated in the same cycle.
+        out[step] = hvd.grouped_allreduce([g * (step + 1) for g in grads], name="g")
+    out["staged"] = max((b.numel() for free in state.executor.pool._free.values()
+                         for b in free), default=0)
     hvd.shutdown()
     return out
+
+
+SIZES_FUSED = (1, 33, 1000, 5000, 3900, 17)  # elements
 
 
 def test_fusion_on_and_off_give_identical_results():
@@ -226,11 +234,15 @@ def test_fusion_on_and_off_give_identical_results():
     assert gloo[0]["plane"] == "gloo+GlooControlPlane"
     assert [res["across"] for res in unfused] == [False, False]
     assert fused[0]["across"] == fused[1]["across"]
+    if fused[0]["across"]:  # the 5000-element tensor was never staged; the others were, fused
+        assert [res["staged"] for res in fused] == [1 + 33 + 1000 + 3900 + 17] * 2
+    else:
+        assert [res["staged"] for res in fused] == [sum(SIZES_FUSED)] * 2
     for step in range(3):
         per_rank = []
         for r in range(2):
             torch.manual_seed(r)
-            per_rank.append([torch.randn(n) * (step + 1) for n in (1, 33, 1000, 4099, 17)])
+            per_rank.append([torch.randn(n) * (step + 1) for n in SIZES_FUSED])
         want = [(a + b) / 2 for a, b in zip(*per_rank)]
         for runs in (fused, unfused):
             for res in runs:

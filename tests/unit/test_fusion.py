@@ -30,6 +30,17 @@ def test_oversized_tensor_alone_and_keys_separate():
     assert sorted(i for b in batches for i in b) == list(range(7))
 
 
+def test_tensors_a_plane_reduces_in_place_stay_out_of_fusion_buffers():
+    # 400-byte tensors on the CPU are alone from 400 bytes on (the shared-memory
+    # plane reads them across); the same sizes on another device still fuse.
+    rs = [_ar("a", 10), _ar("big", 100), _ar("b", 10), _ar("big2", 150),
+          _ar("c", 99), _ar("cuda.big", 100, device="cuda"), _ar("cuda.small", 10, device="cuda")]
+    assert fusion.plan(rs, 4096, alone={"cpu": 400}) == [[0, 2, 4], [1], [3], [5, 6]]
+    assert fusion.plan(rs, 4096) == [[0, 1, 2, 3, 4], [5, 6]]
+    assert fusion.plan(rs, 4096, alone={"cuda": 400}) == [[0, 1, 2, 3, 4], [5], [6]]
+    assert fusion.plan(rs, 0, alone={"cpu": 400}) == [[i] for i in range(7)]
+
+
 def test_fusion_classes_match_keys_exactly_once_the_class_table_is_full(monkeypatch):
     # Classes are numbers for the first keys seen; later keys stand for
     # themselves. Equal keys fuse and unequal ones do not either way, so the
