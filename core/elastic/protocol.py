@@ -32,6 +32,9 @@ ENV_TIMEOUT = "HVDLIKE_ELASTIC_TIMEOUT"
 ENV_WORKER_SECRET = "HVDLIKE_ELASTIC_WORKER_SECRET"
 
 LATEST_KEY = "elastic/latest"
+# Set by the launcher once a rank of the current generation exited 0: the job is
+# finishing, and no generation will follow (its value: that rank's worker id).
+FINISHED_KEY = "elastic/finished"
 
 TOPOLOGY_FIELDS = ("rank", "size", "local_rank", "local_size", "cross_rank", "cross_size",
                    "hostname")

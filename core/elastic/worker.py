@@ -65,6 +65,12 @@ class WorkerContext:
             return self.generation
         return int(self.store.get(protocol.LATEST_KEY).decode())
 
+    def finished(self) -> Optional[str]:
+        """The worker id of a rank that completed the job, once one has (else None)."""
+        if not self.enabled or not self.store.check([protocol.FINISHED_KEY]):
+            return None
+        return self.store.get(protocol.FINISHED_KEY).decode(errors="replace")
+
     def key(self, number: int) -> Optional[bytes]:
         """Generation ``number``'s key, unsealed with this process's secret; None when
         the launcher gave no secret (no per-generation keys) or this process has no
@@ -105,8 +111,12 @@ class WorkerContext:
         return protocol.Generation.decode(view.get(protocol.generation_key(number)))
 
     def wait_for_newer(self, clock: Callable[[], float] = time.monotonic,
-                       sleep: Callable[[float], None] = time.sleep) -> protocol.Generation:
+                       sleep: Callable[[float], None] = time.sleep
+                       ) -> Optional[protocol.Generation]:
         """Block until a generation newer than ours is published; return it.
+
+        Returns None once the job is finishing instead (a rank completed it:
+        the launcher publishes no further generation).
 
         Raises:
             HvdlikeInternalError: none came within the wait (the launcher is gone
@@ -115,6 +125,8 @@ class WorkerContext:
         deadline = clock() + self.wait_seconds
         while True:
             try:
+                if self.finished() is not None:
+                    return None
                 latest = self.latest()
             except Exception as exc:  # the launcher (and its store) went away
                 raise HvdlikeInternalError(
@@ -250,7 +262,9 @@ def reset(init: Callable[[], None], shutdown: Callable[[], None],
     Shuts the runtime down, waits for a newer generation, re-initializes with the
     topology given there. A generation that fails to form (a member died while
     it was forming) is left for the next one. A process the launcher left out
-    of the new generation exits with status 0: its host was removed.
+    of the new generation exits with status 0: its host was removed. So does a
+    process waiting when another rank has completed the job (as Horovod's
+    driver stops the rest once one worker succeeded): no generation follows.
 
     Raises:
         HvdlikeInternalError: no newer generation came in time.
@@ -259,6 +273,10 @@ def reset(init: Callable[[], None], shutdown: Callable[[], None],
     shutdown()
     while True:
         generation = ctx.wait_for_newer()
+        if generation is None:
+            logger.warning("elastic worker %s: the job is finishing (worker %s completed it); "
+                           "leaving instead of re-forming", ctx.worker, ctx.finished())
+            raise SystemExit(0)
         if not ctx.join(generation):
             logger.info("elastic worker %s is not part of generation %d; leaving",
                         ctx.worker, generation.number)

@@ -15,7 +15,8 @@ Failures arriving close together are gathered into one re-form
 ``--elastic-timeout``, more re-forms than ``--reset-limit``, or every host
 blacklisted for good ends the job with a message that says which, followed by
 every rank that was lost and why. The job succeeds once a rank of the current
-generation exits 0 and every other process has ended.
+generation exits 0 and every other process has ended; from that exit on no
+generation follows, and ranks waiting to re-form leave (exit 0).
 """
 
 from __future__ import annotations
@@ -184,7 +185,18 @@ class ElasticDriver:
             return
         if code == 0:
             worker.state = WorkerState.SUCCEEDED
-            self._finishing = True
+            if not self._finishing:
+                self._finishing = True
+                # Ranks waiting to re-form (their collective failed as this one
+                # shut down) leave instead of waiting for a generation that will
+                # not come; ranks still working finish as they would.
+                self.store.set(protocol.FINISHED_KEY, worker_id.encode())
+                others = sorted(w.rank for w in self.live.values())
+                if others:
+                    who = (f"rank {others[0]} has" if len(others) == 1 else
+                           f"ranks {', '.join(map(str, others))} have")
+                    self.output.note(f"rank {worker.rank} completed; the job ends once {who} "
+                                     "ended (no further re-forms)")
             return
         worker.state = WorkerState.FAILED
         if worker.stop_requested_at is not None:

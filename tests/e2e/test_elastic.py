@@ -91,6 +91,22 @@ def test_rank_sigkilled_shrinks_the_job_from_3_to_2(marker):
     print(f"kill to training resumed: {resume_seconds(out, 2):.1f}s")
 
 
+def test_ranks_waiting_to_re_form_leave_once_a_rank_completed_the_job(marker):
+    # As Horovod's driver stops the other workers once one succeeded: rank 1's last
+    # collective fails as rank 0 ends, and it leaves instead of waiting out the
+    # elastic timeout (10 minutes by default) for a generation that never comes.
+    script = os.path.join(ROOT, "tests", "e2e", "elastic_uneven_end.py")
+    code, out, err, seconds = run(["-np", "2", "--min-np", "1", sys.executable, script,
+                                   str(marker)],
+                                  timeout=120, env=_env())
+    assert code == 0, err
+    assert re.findall(r"DONE worker=(\w+) steps=(\d+)", out) == [("w0", "3")], out
+    assert "rank 0 completed; the job ends once rank 1 has ended (no further re-forms)" in err
+    assert "elastic worker w1: the job is finishing (worker w0 completed it)" in err
+    assert "generation 2" not in err
+    print(f"job ended {seconds:.1f}s after start")
+
+
 def resume_seconds(out, generation):
     """Seconds from the injected fault to the first rank training in ``generation``."""
     fault = float(re.search(r"FAULT worker=\w+ kind=\w+ at=([\d.]+)", out).group(1))

@@ -109,6 +109,25 @@ def test_a_process_left_out_exits_cleanly():
     assert info.value.code == 0
 
 
+def test_a_process_waiting_when_another_rank_completed_the_job_leaves_cleanly(caplog):
+    store = FakeStore()
+    _publish(store, 1, ["w0", "w1"])
+    ctx, _ = _context(store, worker="w1")
+    ticks, shut = [], []
+
+    def sleep(seconds):
+        ticks.append(seconds)
+        if len(ticks) == 2:
+            store.set(protocol.FINISHED_KEY, b"w0")  # the launcher: w0 exited 0
+
+    assert ctx.finished() is None
+    assert ctx.wait_for_newer(sleep=sleep) is None and len(ticks) == 2
+    with pytest.raises(SystemExit) as info:
+        reset(lambda: pytest.fail("no generation to join"), lambda: shut.append(1), ctx)
+    assert info.value.code == 0 and shut == [1]
+    assert "the job is finishing (worker w0 completed it)" in caplog.text
+
+
 def test_enter_waits_for_every_member_then_returns():
     store = FakeStore()
     _publish(store, 1, ["w0", "w1"])
