@@ -223,6 +223,11 @@ KNOBS = (
     Knob("disable_group_fusion", False, _parse_bool,
          "do not fuse the members of grouped collectives with other tensors",
          flag="--disable-group-fusion"),
+    Knob("cpu_overlap", None, auto_bool,
+         "DistributedOptimizer starts reducing each CPU gradient during backward (1) or all "
+         "of them at step() (0); auto: during backward while this rank's compute threads "
+         "leave a core idle",
+         flag="--cpu-overlap"),
 )
 
 KNOBS_BY_FIELD = {knob.field: knob for knob in KNOBS}
@@ -256,6 +261,7 @@ class Config:
     shm: bool = True
     hierarchical_allreduce: Optional[bool] = None  # None: auto
     hierarchical_allgather: Optional[bool] = None
+    cpu_overlap: Optional[bool] = None  # None: auto
 
     @property
     def log_level_number(self) -> int:

@@ -211,6 +211,21 @@ def _scenarios():
     opt.step()  # early: reduces the one pass accumulated so far
     out["early.params"] = flat(model)
 
+    # When reductions start: during backward (overlap) or at step() (deferred).
+    model = mlp()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    F.mse_loss(model(X[1, r * B:(r + 1) * B]), Y[1, r * B:(r + 1) * B]).backward()
+    out["after_backward"] = (len(opt._hvd_handles), len(opt._hvd_deferred))
+    try:
+        opt.zero_grad()
+        out["zero_grad_early"] = "no error"
+    except RuntimeError as exc:
+        out["zero_grad_early"] = str(exc)
+    opt.step()
+    out["after_step"] = (len(opt._hvd_handles), len(opt._hvd_deferred))
+    out["timing.params"] = flat(model)
+
     # state_dict round trip and zero_grad(set_to_none=False)
     model = mlp()
     opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
@@ -280,9 +295,22 @@ def _scenarios():
     return out
 
 
-@pytest.fixture(scope="module")
-def results():
-    return run_ranks(_scenarios, np=2, timeout=150)
+# Every scenario twice: CPU reductions started during backward, and all at step().
+@pytest.fixture(scope="module", params=["1", "0"], ids=["overlap", "at_step"])
+def results(request):
+    res = run_ranks(_scenarios, np=2, timeout=150, env={"HVDLIKE_CPU_OVERLAP": request.param})
+    for out in res:
+        out["overlap"] = request.param == "1"
+    return res
+
+
+def test_reductions_start_during_backward_or_at_step_as_configured(results):
+    for out in results:
+        # 4 gradients in one bucket: one reduction in flight, or held back until step()
+        assert out["after_backward"] == ((1, 0) if out["overlap"] else (0, 1))
+        assert out["after_step"] == (0, 0)
+        assert "before step() or synchronize()" in out["zero_grad_early"]
+    assert torch.equal(results[0]["timing.params"], results[1]["timing.params"])
 
 
 @pytest.mark.parametrize("name", ["sgd", "adam"])

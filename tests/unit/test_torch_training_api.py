@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 import hvdlike.torch as hvd
 from hvdlike.torch import buckets as buckets_module
+from hvdlike.torch import optimizer as optimizer_module
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -14,6 +15,13 @@ def one_rank_job():
     hvd.init()
     yield
     hvd.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def overlapped(monkeypatch):
+    """Reductions start during backward, whatever this machine's cores (the auto rule
+    and the deferred path: tests/unit/test_cpu_overlap.py, test_deferred_... below)."""
+    monkeypatch.setattr(optimizer_module, "_overlaps_cpu", lambda: True)
 
 
 def _model():
@@ -254,6 +262,31 @@ def test_reductions_start_during_backward_not_at_step(bucket_per_gradient):
     assert len(opt._hvd_handles) == 4  # every gradient was submitted before step()
     opt.step()
     assert opt._hvd_handles == {}
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_deferred_reductions_start_at_step_in_hook_order(bucket_per_gradient, monkeypatch, k):
+    monkeypatch.setattr(optimizer_module, "_overlaps_cpu", lambda: False)
+    m, ref = _model(), _model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                   named_parameters=m.named_parameters(),
+                                   backward_passes_per_step=k)
+    plain = torch.optim.SGD(ref.parameters(), lr=0.1)
+    torch.manual_seed(3)
+    batches = [(torch.randn(5, 3), torch.randn(5, 1)) for _ in range(k)]
+    for x, y in batches:
+        F.mse_loss(m(x), y).backward()
+        F.mse_loss(ref(x), y).backward()
+    assert opt._hvd_handles == {}
+    # backward produces the last layer's gradients first; they are started first
+    assert [p for _, p in opt._hvd_deferred] == [m[2].bias, m[2].weight, m[0].bias, m[0].weight]
+    with pytest.raises(RuntimeError, match="before step"):
+        opt.zero_grad()
+    opt.step()
+    plain.step()
+    assert opt._hvd_handles == {} and opt._hvd_deferred == []
+    for a, b in zip(m.parameters(), ref.parameters()):
+        assert torch.equal(a, b)  # one rank: the average is the gradient itself
 
 
 def test_rewrapping_the_same_parameters_leaves_one_active_hook(bucket_per_gradient):
