@@ -289,6 +289,24 @@ def test_deferred_reductions_start_at_step_in_hook_order(bucket_per_gradient, mo
         assert torch.equal(a, b)  # one rank: the average is the gradient itself
 
 
+def test_an_elastic_restore_forgets_reductions_noted_but_not_started(bucket_per_gradient,
+                                                                     monkeypatch):
+    from hvdlike.torch.elastic.state import _forget_pending_reduction
+
+    monkeypatch.setattr(optimizer_module, "_overlaps_cpu", lambda: False)
+    m = _model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                   named_parameters=m.named_parameters())
+    _loss(m).backward()  # then, say, a collective of the user's fails: the round is retried
+    assert len(opt._hvd_deferred) == 4
+    _forget_pending_reduction(opt)
+    assert opt._hvd_deferred == [] and opt._hvd_handles == {}
+    opt.zero_grad()
+    _loss(m).backward()
+    opt.step()  # each gradient reduced once: a second submission of a name would fail
+    assert opt._hvd_deferred == [] and opt._hvd_handles == {}
+
+
 def test_rewrapping_the_same_parameters_leaves_one_active_hook(bucket_per_gradient):
     m = _model()
     first = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),

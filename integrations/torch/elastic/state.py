@@ -67,6 +67,8 @@ def _forget_pending_reduction(optimizer) -> None:
     """
     if getattr(optimizer, "_hvd_handles", None):
         optimizer._hvd_handles = {}
+    if getattr(optimizer, "_hvd_deferred", None):
+        optimizer._hvd_deferred = []  # noted by hooks, never started (see _overlaps_cpu)
     if hasattr(optimizer, "_hvd_reset_buckets"):
         optimizer._hvd_reset_buckets()
         optimizer._hvd_passes = {}
