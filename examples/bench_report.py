@@ -97,7 +97,9 @@ def table(data: dict) -> str:
              f"started {meta['started_utc']}  ({meta['seconds']:.0f} s, load "
              f"{meta['loadavg_start']} -> {meta['loadavg_end']})",
              f"hvdlike control plane {meta.get('hvdlike_controller', 'gloo')}, CPU data plane "
-             f"{meta.get('hvdlike_cpu_operations', 'gloo')}; DDP and raw contenders on Gloo", ""]
+             f"{meta.get('hvdlike_cpu_operations', 'gloo')}; DDP and raw contenders on Gloo"
+             + (f"; DistributedOptimizer reduces CPU gradients {meta['hvdlike_cpu_overlap']}"
+                if "hvdlike_cpu_overlap" in meta else ""), ""]
     for key, title in (("train_large", "training step"), ("train_small", "training step")):
         t = res.get(key)
         if not t:

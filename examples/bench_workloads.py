@@ -262,6 +262,11 @@ def main(cfg: dict) -> None:
         controller = "shm"  # negotiation on shared memory (core/shm_control.py)
     if type(state.groups.cpu_plane).__name__.startswith("Shm"):
         cpu_operations = "shm"  # CPU tensors on shared memory (core/shm_plane.py)
+    try:  # when DistributedOptimizer starts CPU reductions (see HVDLIKE_CPU_OVERLAP)
+        from hvdlike.torch.optimizer import _overlaps_cpu
+        cpu_overlap = "during backward" if _overlaps_cpu() else "at step()"
+    except ImportError:  # a build without the rule: always during backward
+        cpu_overlap = "during backward"
     started = time.time()
     load0 = loadavg()
     results: Dict[str, object] = {}
@@ -284,7 +289,7 @@ def main(cfg: dict) -> None:
                 "%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
             "seconds": time.time() - started, "loadavg_start": load0, "loadavg_end": loadavg(),
             "settings": cfg, "hvdlike_controller": controller,
-            "hvdlike_cpu_operations": cpu_operations}
+            "hvdlike_cpu_operations": cpu_operations, "hvdlike_cpu_overlap": cpu_overlap}
     hvd.shutdown()
     dist.barrier()
     if dist.get_rank() == 0:
