@@ -27,6 +27,7 @@ round is open does nothing: the gradients are already reduced.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import warnings
 import weakref
@@ -474,12 +475,23 @@ def _overlaps_cpu() -> bool:
     wanted = rt.config.cpu_overlap
     if wanted is not None:
         return wanted
-    cpus = _usable_cpus()
-    total = os.cpu_count() or cpus
+    mask = _usable_cpus()
     # A rank pinned to fewer CPUs than the host has is assumed to own them;
     # otherwise the host's ranks share every CPU this one may use.
-    sharing = 1 if cpus < total else rt.topology.local_size
+    sharing = 1 if mask < (os.cpu_count() or mask) else rt.topology.local_size
+    cpus = mask
+    quota = _cpu_quota()
+    if quota is not None:  # a container's limit: this many run at once, whatever the mask
+        cpus = min(cpus, max(1, int(quota)))
     return sharing * torch.get_num_threads() < cpus
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_quota() -> Optional[float]:
+    """The cgroup's CPU quota (read once: a job does not change its container)."""
+    from hvdlike.core.shm_segment import cpu_quota
+
+    return cpu_quota()
 
 
 def _usable_cpus() -> int:

@@ -8,13 +8,14 @@ from hvdlike.core import config
 from hvdlike.torch import optimizer
 
 
-def _runtime(monkeypatch, env, local_size, cpus, host_cpus, threads):
+def _runtime(monkeypatch, env, local_size, cpus, host_cpus, threads, quota=None):
     rt = types.SimpleNamespace(config=config.load(env),
                                topology=types.SimpleNamespace(local_size=local_size))
     monkeypatch.setattr(optimizer._core_api, "runtime", lambda: rt)
     monkeypatch.setattr(optimizer, "_usable_cpus", lambda: cpus)
     monkeypatch.setattr(optimizer.os, "cpu_count", lambda: host_cpus)
     monkeypatch.setattr(optimizer.torch, "get_num_threads", lambda: threads)
+    monkeypatch.setattr(optimizer, "_cpu_quota", lambda: quota)
 
 
 @pytest.mark.parametrize("local_size,cpus,host_cpus,threads,overlaps", [
@@ -29,6 +30,18 @@ def _runtime(monkeypatch, env, local_size, cpus, host_cpus, threads):
 def test_auto_overlaps_while_a_core_is_left_idle(monkeypatch, local_size, cpus, host_cpus,
                                                  threads, overlaps):
     _runtime(monkeypatch, {}, local_size, cpus, host_cpus, threads)
+    assert optimizer._overlaps_cpu() is overlaps
+
+
+@pytest.mark.parametrize("local_size,cpus,threads,quota,overlaps", [
+    (2, 64, 1, 2.0, False),  # a container of 2 CPUs on a 64-CPU host: full
+    (2, 64, 1, 4.0, True),
+    (2, 64, 2, 4.0, False),
+    (1, 64, 1, 0.5, False),  # half a CPU: never an idle one
+])
+def test_auto_counts_a_container_quota_not_the_hosts_cpus(monkeypatch, local_size, cpus,
+                                                         threads, quota, overlaps):
+    _runtime(monkeypatch, {}, local_size, cpus, cpus, threads, quota)
     assert optimizer._overlaps_cpu() is overlaps
 
 
