@@ -49,6 +49,21 @@ def _collectives():
     grouped = hvd.grouped_allreduce([torch.ones(2) * r, torch.ones(3, dtype=torch.float64)],
                                     op=hvd.Sum)
     checks["grouped"] = grouped[0].tolist() == [1.0, 1.0] and grouped[1].tolist() == [2.0] * 3
+    # Tensors of MpiDataGroup.alone_bytes (here 400 bytes) and up are reduced unstaged
+    # while their small neighbours in the same cycle share a fusion buffer.
+    from hvdlike.core import api
+
+    state = api.runtime().process_sets[0]
+    type(state.groups.cpu_plane).alone_bytes = 400
+    pool, staged = state.executor.pool, []
+    take = pool.take
+    pool.take = lambda numel, *args: staged.append(numel) or take(numel, *args)
+    sizes = [3, 100, 5, 250, 99]
+    mixed = hvd.grouped_allreduce([torch.arange(float(k)) * (r + 1) for k in sizes],
+                                  op=hvd.Average, name="mixed")
+    checks["mixed sizes"] = all(torch.equal(t, torch.arange(float(k)) * 1.5)
+                                for t, k in zip(mixed, sizes))
+    checks["large unstaged"] = staged == [3 + 5 + 99]
     inplace = torch.full((4,), float(r))
     hvd.allreduce_(inplace, op=hvd.Sum)
     checks["in place"] = inplace.tolist() == [1.0] * 4

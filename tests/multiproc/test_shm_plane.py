@@ -196,9 +196,9 @@ def _fused_training(chunk_bytes, deny_reads_on=None):
     from hvdlike.core import api, bootstrap, shm_plane, shm_segment
 
     shm_plane.CHUNK_BYTES = chunk_bytes
-    # The fused 19.8 KB buffer is read across; the 20 KB tensor is reduced where
-    # it lies (never fused) while the plane reads across.
+    # The fused 19.8 KB buffer is read across; the 20 KB tensor is never fused.
     shm_plane.ACROSS_MIN_BYTES = 16 * 1024
+    shm_plane.ALONE_BYTES = 20000
     if int(os.environ[bootstrap.ENV_RANK]) == deny_reads_on:  # as a host that forbids the reads would
         def denied(*args):
             raise PermissionError(1, "Operation not permitted")
@@ -234,10 +234,8 @@ def test_fusion_on_and_off_give_identical_results():
     assert gloo[0]["plane"] == "gloo+GlooControlPlane"
     assert [res["across"] for res in unfused] == [False, False]
     assert fused[0]["across"] == fused[1]["across"]
-    if fused[0]["across"]:  # the 5000-element tensor was never staged; the others were, fused
-        assert [res["staged"] for res in fused] == [1 + 33 + 1000 + 3900 + 17] * 2
-    else:
-        assert [res["staged"] for res in fused] == [sum(SIZES_FUSED)] * 2
+    # the 5000-element tensor was never staged; the others were, fused
+    assert [res["staged"] for res in fused] == [1 + 33 + 1000 + 3900 + 17] * 2
     for step in range(3):
         per_rank = []
         for r in range(2):
