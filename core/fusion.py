@@ -37,9 +37,9 @@ def plan(responses: Sequence[Response], threshold_bytes: int,
     order of negotiation.
 
     ``alone`` maps a device (``Response.device``) to a size from which its
-    tensors are batches of their own: a data plane that reduces such tensors
-    where they lie (the shared-memory plane reading across processes) would
-    only pay two copies of them for a fusion buffer.
+    tensors are batches of their own: on a data plane where such a tensor
+    costs little more alone than fused (shared memory, MPI), a fusion buffer
+    would only add two copies of it.
     """
     if threshold_bytes <= 0:
         return [[i] for i in range(len(responses))]

@@ -32,9 +32,6 @@ ENV_TIMEOUT = "HVDLIKE_ELASTIC_TIMEOUT"
 ENV_WORKER_SECRET = "HVDLIKE_ELASTIC_WORKER_SECRET"
 
 LATEST_KEY = "elastic/latest"
-# Set by the launcher once a rank of the current generation exited 0: the job is
-# finishing, and no generation will follow (its value: that rank's worker id).
-FINISHED_KEY = "elastic/finished"
 
 TOPOLOGY_FIELDS = ("rank", "size", "local_rank", "local_size", "cross_rank", "cross_size",
                    "hostname")
@@ -95,6 +92,13 @@ def ready_key(number: int, worker: str) -> str:
     return f"elastic/g{number}/ready/{worker}"
 
 
+def finished_key(number: int) -> str:
+    """Set by the launcher (MACed with generation ``number``'s key) once a rank of
+    that generation exited 0: the job is finishing and no generation follows.
+    Its value: that rank's worker id."""
+    return f"elastic/g{number}/finished"
+
+
 def generation_prefix(number: int) -> str:
     """The prefix of generation ``number``'s runtime keys (Gloo, health, ...)."""
     return f"elastic{number}/"
@@ -138,7 +142,7 @@ def forget_generation(store, number: int, view=None) -> int:
         return 0
     members = Generation.decode(view.get(members_key))
     prefix = generation_prefix(number)
-    doomed = [ready_key(number, w) for w in members.members]
+    doomed = [ready_key(number, w) for w in members.members] + [finished_key(number)]
     doomed += [seat_key(number, w) for w in members.members]
     doomed += [lost_key(number, r) for r in range(members.size)]
     for rank in range(members.size):

@@ -13,6 +13,7 @@ import time
 from typing import Callable, MutableMapping, Optional
 
 from hvdlike.core.errors import HvdlikeInternalError
+from hvdlike.core.store_auth import StoreTamperedError
 from hvdlike.core.log import logger
 
 from . import protocol
@@ -37,6 +38,7 @@ class WorkerContext:
         self._store = None
         self._job_store = None
         self._keys = {}  # generation number -> its key (generations this process was in)
+        self._tamper_reported = False
 
     @property
     def enabled(self) -> bool:
@@ -66,10 +68,26 @@ class WorkerContext:
         return int(self.store.get(protocol.LATEST_KEY).decode())
 
     def finished(self) -> Optional[str]:
-        """The worker id of a rank that completed the job, once one has (else None)."""
-        if not self.enabled or not self.store.check([protocol.FINISHED_KEY]):
+        """The worker id of a rank of this generation that completed the job, once
+        one has (else None).
+
+        The launcher's record is MACed with this generation's key, so a process
+        left out of it cannot make the members leave: a record that fails the
+        check is reported once and otherwise ignored.
+        """
+        if not self.enabled:
             return None
-        return self.store.get(protocol.FINISHED_KEY).decode(errors="replace")
+        key = protocol.finished_key(self.generation)
+        view = self.view(self.generation)
+        if view is None or not view.check([key]):
+            return None
+        try:
+            return view.get(key).decode(errors="replace")
+        except StoreTamperedError as exc:
+            if not self._tamper_reported:
+                self._tamper_reported = True
+                logger.warning("elastic worker %s: ignoring %s", self.worker, exc)
+            return None
 
     def key(self, number: int) -> Optional[bytes]:
         """Generation ``number``'s key, unsealed with this process's secret; None when

@@ -190,7 +190,8 @@ class ElasticDriver:
                 # Ranks waiting to re-form (their collective failed as this one
                 # shut down) leave instead of waiting for a generation that will
                 # not come; ranks still working finish as they would.
-                self.store.set(protocol.FINISHED_KEY, worker_id.encode())
+                view = self.store.for_generation(self._keys.get(self.generation))
+                view.set(protocol.finished_key(self.generation), worker_id.encode())
                 others = sorted(w.rank for w in self.live.values())
                 if others:
                     who = (f"rank {others[0]} has" if len(others) == 1 else

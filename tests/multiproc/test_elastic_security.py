@@ -6,7 +6,9 @@ turns attacker: it still holds the job secret, its own secret and generation
 1's key. It forges records under generation 2's prefix -- signed with the job
 secret, and with generation 1's key -- and tries to unseal a member's copy of
 generation 2's key. The members of generation 2 read both records through
-their runtime's store and must refuse them, then go on training.
+their runtime's store and must refuse them, then go on training. A forged
+"the job is finishing" record (which would make members waiting to re-form
+leave) is ignored the same way.
 """
 
 import secrets
@@ -60,6 +62,13 @@ def _removed_rank_attacks(worker_secrets):
                 found[r] = "refused: " + str(exc)
         # the job secret alone would have let the first forgery through
         found["job view"] = ctx.store.get("elastic2/health/shutdown/1").decode()
+        # "the job is finishing" forged for generation 2: members do not leave for it
+        found["finished, job secret"] = ctx.finished()
+        hvd.barrier()
+        if hvd.rank() == 0:
+            ctx.store.set("test/checked", "1")
+        ctx.store.wait(["test/attacked again"])
+        found["finished, generation 1's key"] = ctx.finished()
         total = hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum, name="after")
         found["size"], found["total"] = hvd.size(), total.item()
 
@@ -76,7 +85,11 @@ def _removed_rank_attacks(worker_secrets):
             report["unsealed w0's key"] = str(exc)
         ctx.store.set("elastic2/health/shutdown/1", "forged with the job secret")
         ctx.view(1).set("elastic2/health/shutdown/0", "forged with generation 1's key")
+        ctx.store.set(protocol.finished_key(2), "w2")
         ctx.store.set("test/attacked", "1")
+        ctx.store.wait(["test/checked"])
+        ctx.view(1).set(protocol.finished_key(2), "w2")
+        ctx.store.set("test/attacked again", "1")
         return report
     hvd.shutdown()
     return found
@@ -96,4 +109,6 @@ def test_removed_rank_cannot_write_into_the_next_generation():
             assert found[r].startswith("refused: ") and "signature does not match" in found[r], \
                 found
         assert found["job view"] == "forged with the job secret"
+        assert found["finished, job secret"] is None
+        assert found["finished, generation 1's key"] is None
         assert (found["size"], found["total"]) == (2, 2.0)  # the members trained on

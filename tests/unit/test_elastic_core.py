@@ -118,7 +118,7 @@ def test_a_process_waiting_when_another_rank_completed_the_job_leaves_cleanly(ca
     def sleep(seconds):
         ticks.append(seconds)
         if len(ticks) == 2:
-            store.set(protocol.FINISHED_KEY, b"w0")  # the launcher: w0 exited 0
+            store.set(protocol.finished_key(1), b"w0")  # the launcher: w0 exited 0
 
     assert ctx.finished() is None
     assert ctx.wait_for_newer(sleep=sleep) is None and len(ticks) == 2
