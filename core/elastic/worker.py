@@ -13,8 +13,8 @@ import time
 from typing import Callable, MutableMapping, Optional
 
 from hvdlike.core.errors import HvdlikeInternalError
-from hvdlike.core.store_auth import StoreTamperedError
 from hvdlike.core.log import logger
+from hvdlike.core.store_auth import StoreTamperedError
 
 from . import protocol
 

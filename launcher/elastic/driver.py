@@ -192,7 +192,8 @@ class ElasticDriver:
                 # not come; ranks still working finish as they would.
                 view = self.store.for_generation(self._keys.get(self.generation))
                 view.set(protocol.finished_key(self.generation), worker_id.encode())
-                others = sorted(w.rank for w in self.live.values())
+                members = {m.worker for m in self.members}
+                others = sorted(w.rank for wid, w in self.live.items() if wid in members)
                 if others:
                     who = (f"rank {others[0]} has" if len(others) == 1 else
                            f"ranks {', '.join(map(str, others))} have")
