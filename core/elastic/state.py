@@ -23,15 +23,21 @@ class State:
         bcast_object: ``fn(obj, root_rank=0) -> obj``, rank 0's object on every rank.
         get_rank: ``fn() -> int``, this process's current rank.
         allgather_object: ``fn(obj) -> list``, every rank's object in rank order.
+        newest: ``fn(int) -> int``, the largest of every rank's value. The front
+            ends use :func:`newest_generation` (see :func:`use_allreduce`), an
+            allreduce, which a rank that called ``join()`` takes part in: commits
+            go on while some ranks have joined (an allgather cannot run then).
     """
 
     def __init__(self, bcast_object: Callable, get_rank: Callable[[], int],
-                 allgather_object: Optional[Callable] = None):
+                 allgather_object: Optional[Callable] = None, *,
+                 newest: Optional[Callable[[int], int]] = None):
         # Set through object.__setattr__ so subclasses that track attribute
         # assignment (ObjectState) never mistake these for user state.
         object.__setattr__(self, "_bcast_object", bcast_object)
         object.__setattr__(self, "_get_rank", get_rank)
         object.__setattr__(self, "_allgather_object", allgather_object)
+        object.__setattr__(self, "_newest", newest)
         object.__setattr__(self, "_reset_callbacks", [])
         object.__setattr__(self, "_worker", None)
 
@@ -62,7 +68,9 @@ class State:
         if not ctx.enabled:
             return
         latest = ctx.latest()
-        if self._allgather_object is not None:
+        if self._newest is not None:
+            agreed = self._newest(latest)
+        elif self._allgather_object is not None:
             agreed = max(self._allgather_object(latest))
         else:
             agreed = self._bcast_object(latest, root_rank=0)
@@ -136,3 +144,27 @@ class ObjectState(State):
             # Only the plain attributes: a subclass's restore() would also roll
             # back what it has just synced itself.
             self._load_saved()
+
+
+NEWEST_NAME = "hvdlike.elastic.newest_generation"
+
+
+def use_allreduce(state: State) -> State:
+    """Make ``state``'s commits agree on the newest generation by an allreduce
+    (:func:`newest_generation`); returns ``state``. For the front ends' states,
+    whose keyword arguments are all user attributes."""
+    object.__setattr__(state, "_newest", newest_generation)
+    return state
+
+
+def newest_generation(latest: int) -> int:
+    """The largest of every rank's ``latest`` generation number, by an allreduce
+    (Max) of the global set: a rank that called ``join()`` takes part with 0."""
+    import torch
+
+    from hvdlike.core import api, collectives
+    from hvdlike.core.messages import ReduceOp
+
+    value = torch.tensor([latest], dtype=torch.int64)
+    entry = collectives.allreduce_entry(value, NEWEST_NAME, op=ReduceOp.MAX, inplace=True)
+    return int(api.runtime().run(entry, 0, "hvdlike.elastic"))

@@ -19,6 +19,7 @@ values (arrays and pytrees included), broadcast with ``broadcast_object``.
 from hvdlike.core import api
 from hvdlike.core.elastic import HorovodInternalError, HostsUpdatedInterrupt, State, run
 from hvdlike.core.elastic import ObjectState as _ObjectState
+from hvdlike.core.elastic.state import use_allreduce
 
 from .objects import allgather_object, broadcast_object
 
@@ -28,6 +29,7 @@ class ObjectState(_ObjectState):
 
     def __init__(self, bcast_object=None, get_rank=api.rank, **kwargs):
         super().__init__(bcast_object or broadcast_object, get_rank, allgather_object, **kwargs)
+        use_allreduce(self)
 
 
 __all__ = ["HorovodInternalError", "HostsUpdatedInterrupt", "ObjectState", "State", "run"]

@@ -28,6 +28,7 @@ from typing import Any, List
 from hvdlike.core import api
 from hvdlike.core.elastic import HorovodInternalError, HostsUpdatedInterrupt, State, run
 from hvdlike.core.elastic import ObjectState as _ObjectState
+from hvdlike.core.elastic.state import use_allreduce
 from hvdlike.core.errors import HvdlikeError
 from hvdlike.frontend.objects import allgather_object, broadcast_object
 
@@ -37,6 +38,7 @@ class ObjectState(_ObjectState):
 
     def __init__(self, bcast_object=None, get_rank=api.rank, **kwargs):
         super().__init__(bcast_object or broadcast_object, get_rank, allgather_object, **kwargs)
+        use_allreduce(self)
 
 
 class KerasState(ObjectState):

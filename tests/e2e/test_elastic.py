@@ -101,10 +101,29 @@ def test_ranks_waiting_to_re_form_leave_once_a_rank_completed_the_job(marker):
                                   timeout=120, env=_env())
     assert code == 0, err
     assert re.findall(r"DONE worker=(\w+) steps=(\d+)", out) == [("w0", "3")], out
+    assert re.findall(r"STEP worker=w1 step=(\d) sum=(\d)", out) == [
+        ("0", "2"), ("1", "2"), ("2", "2")], out  # step 3 failed: rank 0 had shut down
     assert "rank 0 completed; the job ends once rank 1 has ended (no further re-forms)" in err
     assert "elastic worker w1: the job is finishing (worker w0 completed it)" in err
     assert "generation 2" not in err
     print(f"job ended {seconds:.1f}s after start")
+
+
+def test_ranks_that_join_when_done_let_the_others_finish_and_commit(marker):
+    # hvd.join() inside hvd.elastic.run: the joined rank takes part in the others'
+    # allreduces with zeros -- their gradients and the commit's agreement on the
+    # newest generation alike -- so the job ends with every rank's work done.
+    script = os.path.join(ROOT, "tests", "e2e", "elastic_uneven_end.py")
+    code, out, err, _ = run(["-np", "2", "--min-np", "1", sys.executable, script, str(marker)],
+                            timeout=120, env=_env(ELASTIC_JOIN="1"))
+    assert code == 0, err
+    assert sorted(re.findall(r"DONE worker=(\w+) steps=(\d+)", out)) == [
+        ("w0", "3"), ("w1", "4")], out
+    assert re.findall(r"STEP worker=w1 step=(\d) sum=(\d)", out) == [
+        ("0", "2"), ("1", "2"), ("2", "2"), ("3", "1")], out  # rank 0 sent zeros
+    assert sorted(re.findall(r"JOINED worker=(\w+) last=(\d)", out)) == [
+        ("w0", "1"), ("w1", "1")], out
+    assert "re-form" not in err.replace("no further re-forms", ""), err
 
 
 def resume_seconds(out, generation):

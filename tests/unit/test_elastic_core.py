@@ -72,6 +72,28 @@ def test_commit_raises_hosts_updated_once_a_newer_generation_is_published():
     assert info.value.skip_sync is True
 
 
+def test_commit_agrees_on_the_newest_generation_through_the_front_ends_allreduce():
+    # The front ends' states agree by an allreduce (Max), which a joined rank takes
+    # part in; it wins over the allgather given to the state.
+    from hvdlike.core.elastic.state import use_allreduce
+
+    store = FakeStore()
+    _publish(store, 1, ["w0", "w1"])
+    _publish(store, 2, ["w1"], removed_only=True)
+    ctx, _ = _context(store)
+    state = _state(ctx, step=0)
+    seen = []
+    object.__setattr__(state, "_allgather_object", lambda obj: pytest.fail("allgather used"))
+    use_allreduce(state)
+    object.__setattr__(state, "_newest", lambda latest: seen.append(latest) or 1)
+    state.commit()  # this rank saw 2; the agreement (another rank's view) says 1
+    object.__setattr__(state, "_newest", lambda latest: seen.append(latest) or latest)
+    with pytest.raises(HostsUpdatedInterrupt):
+        state.commit()
+    assert seen == [2, 2]
+    assert "newest" not in state._saved  # not a user attribute
+
+
 def test_reset_joins_the_next_generation_and_sets_the_topology():
     store = FakeStore()
     _publish(store, 1, ["w0", "w1", "w2"])

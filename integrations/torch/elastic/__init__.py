@@ -21,6 +21,7 @@ once and lets errors through.
 from hvdlike.core import api
 from hvdlike.core.elastic import HorovodInternalError, HostsUpdatedInterrupt, State, run
 from hvdlike.core.elastic import ObjectState as _ObjectState
+from hvdlike.core.elastic.state import use_allreduce
 
 from ..objects import allgather_object, broadcast_object
 from .sampler import ElasticSampler
@@ -32,6 +33,7 @@ class ObjectState(_ObjectState):
 
     def __init__(self, bcast_object=broadcast_object, get_rank=api.rank, **kwargs):
         super().__init__(bcast_object, get_rank, allgather_object, **kwargs)
+        use_allreduce(self)
 
 
 __all__ = ["ElasticSampler", "HorovodInternalError", "HostsUpdatedInterrupt", "ObjectState",

@@ -9,6 +9,7 @@ import torch
 
 from hvdlike.core import api
 from hvdlike.core.elastic import ObjectState
+from hvdlike.core.elastic.state import use_allreduce
 
 from ..functions import broadcast_optimizer_state, broadcast_parameters
 from ..objects import allgather_object, broadcast_object
@@ -138,6 +139,7 @@ class TorchState(ObjectState):
         if optimizer is None:
             object.__setattr__(self, "optimizer", None)
         super().__init__(broadcast_object, api.rank, allgather_object, **plain)
+        use_allreduce(self)
 
     def __setattr__(self, name: str, value: Any) -> None:
         handlers = self.__dict__.get("_handlers", {})
