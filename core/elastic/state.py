@@ -23,21 +23,19 @@ class State:
         bcast_object: ``fn(obj, root_rank=0) -> obj``, rank 0's object on every rank.
         get_rank: ``fn() -> int``, this process's current rank.
         allgather_object: ``fn(obj) -> list``, every rank's object in rank order.
-        newest: ``fn(int) -> int``, the largest of every rank's value. The front
-            ends use :func:`newest_generation` (see :func:`use_allreduce`), an
-            allreduce, which a rank that called ``join()`` takes part in: commits
-            go on while some ranks have joined (an allgather cannot run then).
+
+    The front ends' states agree on the newest generation with an allreduce
+    instead (:func:`use_allreduce`).
     """
 
     def __init__(self, bcast_object: Callable, get_rank: Callable[[], int],
-                 allgather_object: Optional[Callable] = None, *,
-                 newest: Optional[Callable[[int], int]] = None):
+                 allgather_object: Optional[Callable] = None):
         # Set through object.__setattr__ so subclasses that track attribute
         # assignment (ObjectState) never mistake these for user state.
         object.__setattr__(self, "_bcast_object", bcast_object)
         object.__setattr__(self, "_get_rank", get_rank)
         object.__setattr__(self, "_allgather_object", allgather_object)
-        object.__setattr__(self, "_newest", newest)
+        object.__setattr__(self, "_newest", None)  # fn(int) -> int, see use_allreduce
         object.__setattr__(self, "_reset_callbacks", [])
         object.__setattr__(self, "_worker", None)
 
@@ -151,8 +149,9 @@ NEWEST_NAME = "hvdlike.elastic.newest_generation"
 
 def use_allreduce(state: State) -> State:
     """Make ``state``'s commits agree on the newest generation by an allreduce
-    (:func:`newest_generation`); returns ``state``. For the front ends' states,
-    whose keyword arguments are all user attributes."""
+    (:func:`newest_generation`), which a rank that called ``join()`` takes part
+    in -- an allgather cannot run then; returns ``state``. Set after
+    construction: the front ends' states take every keyword as a user attribute."""
     object.__setattr__(state, "_newest", newest_generation)
     return state
 

@@ -37,6 +37,7 @@ import torch
 
 from hvdlike.core import api as _core_api
 from hvdlike.core import current as _current
+from hvdlike.core import shm_segment as _shm_segment
 from hvdlike.core.errors import NotInitializedError
 from hvdlike.core.process_sets import global_process_set
 
@@ -221,11 +222,16 @@ class _Distributed:
         self._hvd_start(p)  # its own gather; the bucket slot travels as zeros
         return None
 
-    def _hvd_launch_bucket(self, bucket: _buckets.Bucket) -> None:
-        if self._hvd_defer and bucket.flat.is_cpu:
-            self._hvd_deferred.append((self._hvd_start_bucket, bucket))
+    def _hvd_due(self, start, what, cpu: bool) -> None:
+        """``start(what)`` now, or at synchronize() for a CPU reduction held back
+        (see :func:`_overlaps_cpu`)."""
+        if self._hvd_defer and cpu:
+            self._hvd_deferred.append((start, what))
         else:
-            self._hvd_start_bucket(bucket)
+            start(what)
+
+    def _hvd_launch_bucket(self, bucket: _buckets.Bucket) -> None:
+        self._hvd_due(self._hvd_start_bucket, bucket, bucket.flat.is_cpu)
 
     def _hvd_start_bucket(self, bucket: _buckets.Bucket) -> None:
         bucket.pack(self._hvd_sparse_in_bucket)
@@ -282,10 +288,7 @@ class _Distributed:
         return p.grad
 
     def _hvd_launch(self, p: torch.Tensor) -> None:
-        if self._hvd_defer and p.is_cpu:
-            self._hvd_deferred.append((self._hvd_start, p))
-        else:
-            self._hvd_start(p)
+        self._hvd_due(self._hvd_start, p, p.is_cpu)
 
     def _hvd_start(self, p: torch.Tensor) -> None:
         name = self._hvd_names[p]
@@ -303,10 +306,7 @@ class _Distributed:
         self._hvd_handles[id(p)] = ("dense", handle, compressed, (p, ctx))
 
     def _hvd_launch_group(self, gi: int) -> None:
-        if self._hvd_defer and self._hvd_groups[gi][0].is_cpu:
-            self._hvd_deferred.append((self._hvd_start_group, gi))
-        else:
-            self._hvd_start_group(gi)
+        self._hvd_due(self._hvd_start_group, gi, self._hvd_groups[gi][0].is_cpu)
 
     def _hvd_start_group(self, gi: int) -> None:
         members = self._hvd_groups[gi]
@@ -489,16 +489,11 @@ def _overlaps_cpu() -> bool:
 @functools.lru_cache(maxsize=1)
 def _cpu_quota() -> Optional[float]:
     """The cgroup's CPU quota (read once: a job does not change its container)."""
-    from hvdlike.core.shm_segment import cpu_quota
-
-    return cpu_quota()
+    return _shm_segment.cpu_quota()
 
 
 def _usable_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
+    return len(_shm_segment.affinity())
 
 
 def _take_over(p: torch.Tensor, optimizer: _Distributed,
