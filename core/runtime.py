@@ -19,6 +19,7 @@ new one with the next generation number.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import threading
@@ -75,6 +76,7 @@ class Runtime:
         self._last_cycle = 0.0  # when the last cycle (any thread's) ended
         self._agreed_stop = False  # a user thread's cycle agreed on the shutdown
         self._callers = 0  # user threads in _cycle_until (the background thread keeps still)
+        self._here = threading.local()  # .held: this thread is inside cycles_here()
         self.waits = Waits()  # user threads blocked in wait(), for the deadlock check
         self._stopped = threading.Event()
         self._closed = False
@@ -500,11 +502,70 @@ class Runtime:
         try:
             if timeout is None and self.caller_cycles and "mpi" not in self.engines:
                 self._cycle_until(handle)
-            if not handle._done:
+            if handle._done:
+                return handle.wait()
+            with self._hold_released():  # the background thread may cycle for it
                 self._flush.set()  # someone is blocked on it: cycle now, not at the next tick
-            return handle.wait(self.alive_error, timeout)
+                return handle.wait(self.alive_error, timeout)
         finally:
             self.waits.leave()
+
+    @contextlib.contextmanager
+    def _hold_released(self):
+        """Suspend this thread's :meth:`cycles_here` for the block (if it is in one)."""
+        if not getattr(self._here, "held", False):
+            yield
+            return
+        with self._counter_lock:
+            self._callers -= 1
+        try:
+            yield
+        finally:
+            with self._counter_lock:
+                self._callers += 1
+
+    @contextlib.contextmanager
+    def cycles_here(self):
+        """Within the block, the negotiation cycles run on this thread, not the background one.
+
+        For a burst of collectives the caller submits and then waits for at
+        once (``DistributedOptimizer`` holding CPU reductions back to
+        ``step()``): the background thread starts no cycle while the block
+        lasts, and this thread's waits run the cycles -- and the shared-memory
+        work they launch -- themselves, waiting for a cycle already in
+        progress instead of leaving the rest to the background thread. With
+        every core busy that saves a wake-up per batch, and the work stays on
+        the core this thread already holds: woken, the two ranks' background
+        threads were seen placed on one core for a whole step while the other
+        idled. Without caller cycles (``mpi`` engines) the block changes nothing.
+        """
+        if (not self.caller_cycles or "mpi" in self.engines
+                or getattr(self._here, "held", False)):
+            yield
+            return
+        with self._counter_lock:
+            self._callers += 1
+        self._here.held = True
+        try:
+            yield
+        finally:
+            self._here.held = False
+            with self._counter_lock:
+                self._callers -= 1
+            self._flush.set()  # the background thread resumes (see _loop)
+
+    def _take_cycle_lock(self, handle: Handle) -> bool:
+        """The cycle lock for :meth:`_cycle_until`; False: leave the cycling to
+        whoever holds it. Inside :meth:`cycles_here`, wait for the holder."""
+        lock = self._cycle_lock
+        if lock.acquire(blocking=False):
+            return True
+        if not getattr(self._here, "held", False):
+            return False
+        while not lock.acquire(timeout=0.05):
+            if handle._done or self.fatal is not None or self._agreed_stop or self._stopping:
+                return False
+        return True
 
     def _cycle_until(self, handle: Handle) -> None:
         """Run negotiation cycles on this (user) thread until ``handle`` completes.
@@ -524,7 +585,7 @@ class Runtime:
             while not handle._done:
                 if self.fatal is not None or self._agreed_stop or self._stopping:
                     return
-                if not lock.acquire(blocking=False):
+                if not self._take_cycle_lock(handle):
                     return
                 try:
                     if handle._done or self.fatal is not None or self._agreed_stop:

@@ -29,7 +29,7 @@ member passed a sync point that followed its last read of it):
   before a sync point publishes chunk ``s``, reduces chunk ``s - 1`` and reads
   the results of chunk ``s - 2`` (in other regions of the same buffer), so an
   allreduce of ``k`` chunks takes ``k + 1`` sync points, not ``2k``;
-* allreduce from ``ACROSS_MIN_BYTES`` (4 MiB) on, where every member may read
+* allreduce from ``ACROSS_MIN_BYTES`` (64 MiB) on, where every member may read
   the others' memory (probed when the plane is set up): the same portions, but
   each member reads the others' inputs for its portion, and then the others'
   results, straight out of their tensors with ``process_vm_readv`` (one
@@ -73,13 +73,15 @@ from .shm_segment import Segment, job_tag  # noqa: F401 - job_tag re-exported
 CHUNK_BYTES = 4 << 20
 # Allreduces from this size on read the other members' tensors directly where
 # the host allows it (``_allreduce_across``): three sync points, about 1.25
-# copies of the tensor instead of ~2.25. At 4 MiB (a Linear(1024)
-# weight's gradient) that took 0.77-0.83x the chunked path's time. With blocks
-# that stay in cache (below), in-process A/Bs of Average on 2 ranks gave
-# 0.86-0.92x at 3-3.3 MiB in both a quiet and a loaded minute, while at 2 MiB
-# and below the result flipped with the load (0.84x quiet, 1.03x loaded: the
-# third sync point's wake-up costs more when cores are contended).
-ACROSS_MIN_BYTES = 3 << 20
+# copies of the tensor instead of ~2.25, but each read is a system call that
+# pins the peer's pages first. Once that looked cheaper from 3 MiB on (0.77-0.92x
+# the chunked path at 3-4 MiB). Measured again on 2 ranks with the tensors out
+# of cache (several distinct ones per size, Average, alternated in one process
+# pair), the chunked path took 0.72-0.75x at 2 MiB, 0.99-1.00x at 4 MiB,
+# 0.84-0.93x at 8-16 MiB and 0.96-0.97x at 32 MiB, and 0.98-1.23x at 64 MiB;
+# in training steps of eight 4 MiB gradients it saved 1.0-1.2 ms a step in
+# three of three alternated runs. Reading across is kept for the largest.
+ACROSS_MIN_BYTES = 64 << 20
 # Read and reduced a block at a time into private memory. A block small enough
 # to stay in cache until the reduction (and the average's scaling) reads it:
 # 512 KiB blocks took 0.86x the time of 2 MiB ones for 64 MiB and 0.94x for

@@ -332,9 +332,19 @@ class _Distributed:
         if not self._hvd_included or not self._hvd_open():
             return
         deferred, self._hvd_deferred = self._hvd_deferred, []
+        self._hvd_defer = not _overlaps_cpu()  # for the next round
+        if not deferred:
+            self._hvd_finish(deferred)
+            return
+        # No core is idle: this thread, which waits for them anyway, runs the
+        # reductions held back to now (Runtime.cycles_here).
+        with _core_api.runtime().cycles_here():
+            self._hvd_finish(deferred)
+
+    def _hvd_finish(self, deferred: List[tuple]) -> None:
+        """synchronize()'s work: start what is held back or not started, wait for all."""
         for start, what in deferred:  # in the order backward produced them
             start(what)
-        self._hvd_defer = not _overlaps_cpu()  # for the next round
         launched_groups = {k[1] for k in self._hvd_handles if isinstance(k, tuple)
                            and k[0] == "group"}
         for gi in range(len(self._hvd_groups)):

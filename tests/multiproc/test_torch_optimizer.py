@@ -226,6 +226,52 @@ def _scenarios():
     out["after_step"] = (len(opt._hvd_handles), len(opt._hvd_deferred))
     out["timing.params"] = flat(model)
 
+    # Which thread runs the reductions on the shared-memory plane: held back
+    # to step(), the thread that waits for them (Runtime.cycles_here).
+    import threading
+
+    from hvdlike.core import api as core_api
+
+    plane = core_api.runtime().process_sets[0].groups.cpu_plane
+    out["plane"] = type(plane).__name__
+    threads = []
+    if hasattr(plane, "_allreduce"):
+        plain = plane._allreduce
+
+        def recorded(*args, **kwargs):
+            threads.append(threading.get_ident())
+            return plain(*args, **kwargs)
+
+        plane._allreduce = recorded  # an instance attribute, removed below
+    # A gradient too large to ride on the negotiation's vote (Executor.offer).
+    wide = nn.Linear(128, 1024)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(wide.parameters(), lr=0.1),
+                                   named_parameters=wide.named_parameters())
+    # The first wait comes late, long after the background thread was woken
+    # by the submissions: held back to step(), it must still not take them.
+    import time
+
+    from hvdlike.torch import ops
+
+    real_synchronize = ops.synchronize
+
+    def late_synchronize(handle):
+        time.sleep(0.05)
+        return real_synchronize(handle)
+
+    ops.synchronize = late_synchronize
+    try:
+        for t in range(3):
+            opt.zero_grad()
+            wide(torch.randn(B, 128)).pow(2).mean().backward()
+            opt.step()
+    finally:
+        ops.synchronize = real_synchronize
+        if threads is not None and plane is not None:
+            vars(plane).pop("_allreduce", None)
+    main = threading.get_ident()
+    out["reduced_by"] = (sum(t == main for t in threads), sum(t != main for t in threads))
+
     # state_dict round trip and zero_grad(set_to_none=False)
     model = mlp()
     opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
@@ -295,12 +341,19 @@ def _scenarios():
     return out
 
 
-# Every scenario twice: CPU reductions started during backward, and all at step().
-@pytest.fixture(scope="module", params=["1", "0"], ids=["overlap", "at_step"])
+# Every scenario three times: CPU reductions started during backward, all at
+# step(), and all at step() on Gloo (whose work completes on the finisher
+# thread, not on the thread that runs the cycle).
+@pytest.fixture(scope="module", params=["1", "0", "0-gloo"],
+                ids=["overlap", "at_step", "at_step_gloo"])
 def results(request):
-    res = run_ranks(_scenarios, np=2, timeout=150, env={"HVDLIKE_CPU_OVERLAP": request.param})
+    env = {"HVDLIKE_CPU_OVERLAP": request.param[0]}
+    if request.param.endswith("gloo"):
+        env["HVDLIKE_SHM"] = "0"
+    res = run_ranks(_scenarios, np=2, timeout=150, env=env)
     for out in res:
         out["overlap"] = request.param == "1"
+        out["gloo"] = request.param.endswith("gloo")
     return res
 
 
@@ -311,6 +364,15 @@ def test_reductions_start_during_backward_or_at_step_as_configured(results):
         assert out["after_step"] == (0, 0)
         assert "before step() or synchronize()" in out["zero_grad_early"]
     assert torch.equal(results[0]["timing.params"], results[1]["timing.params"])
+    for out in results:
+        main, other = out["reduced_by"]
+        if out["gloo"]:
+            assert out["plane"] != "ShmDataGroup" and (main, other) == (0, 0)
+            continue
+        assert out["plane"] == "ShmDataGroup"
+        assert main + other >= 3  # one bucket per step at least
+        if not out["overlap"]:  # held back to step(): all on the thread that waits
+            assert other == 0, out["reduced_by"]
 
 
 @pytest.mark.parametrize("name", ["sgd", "adam"])
