@@ -459,6 +459,18 @@ class ShmDataGroup:
                 parts.append(area[at:at + hi - lo])
         results = n * (n - 1) * share
         result = area[results + lo:results + hi]
+        if keep and me < 2:  # the output may alias the first two operands only
+            # Into private memory first, then one copy out to the segment: the
+            # lines of the result region were last read by the other members,
+            # so every pass writing there pays for taking them back (8 allreduces
+            # of 4 MiB on 2 ranks: 0.88-0.94x the time of reducing into the
+            # region and copying it back, three alternated runs).
+            mine = chunk[lo:hi]
+            reduce(parts, mine)
+            if post is not None:
+                post(mine)
+            result.copy_(mine)
+            return
         reduce(parts, result)
         if post is not None:
             post(result)
