@@ -333,12 +333,9 @@ class _Distributed:
             return
         deferred, self._hvd_deferred = self._hvd_deferred, []
         self._hvd_defer = not _overlaps_cpu()  # for the next round
-        if not deferred:
-            self._hvd_finish(deferred)
-            return
         # No core is idle: this thread, which waits for them anyway, runs the
         # reductions held back to now (Runtime.cycles_here).
-        with _core_api.runtime().cycles_here():
+        with _core_api.runtime().cycles_here() if deferred else contextlib.nullcontext():
             self._hvd_finish(deferred)
 
     def _hvd_finish(self, deferred: List[tuple]) -> None:
