@@ -86,6 +86,22 @@ def _libc():
 _LIBC = _libc()
 
 
+def _cpu_reader():
+    """``sched_getcpu`` (the CPU the calling thread runs on), or None where absent."""
+    fn = getattr(_LIBC, "sched_getcpu", None) if _LIBC is not None else None
+    if fn is not None:
+        fn.restype = ctypes.c_int
+        fn.argtypes = []
+    return fn
+
+
+_GETCPU = _cpu_reader()
+_native_id = threading.get_native_id
+# A waiter moves itself off the core of the member it waits for (see
+# ``Segment._leave_core``) at most this often.
+_MOVE_INTERVAL_SECONDS = 0.002
+
+
 def job_tag(secret: str) -> str:
     """The job's public tag (starts segment names), one-way from the secret."""
     try:
@@ -255,6 +271,8 @@ class Segment:
         self.base = ctypes.addressof(words)
         self.count = 0  # sync points passed by this member
         self.spin = 0.0  # seconds a waiter spins: set by attach() once every member's mask is in
+        self.moves = 0  # times a waiter left the core of the member it waited for
+        self._next_move = 0.0 if _GETCPU is not None else float("inf")
         self.pids: List[int] = []
         self.name = ""
 
@@ -320,6 +338,10 @@ class Segment:
         """
         self.count = (self.count + 1) & 0x7FFFFFFF
         words = self.words
+        if self.spin:  # where this member runs, for a waiter to see it shares its core
+            line = self.me * _WORDS_PER_LINE
+            words[line + _CPU] = _GETCPU()
+            words[line + _TID] = _native_id()
         words[self.me * _WORDS_PER_LINE] = self.count
         if _LIBC is None:
             return self.count
@@ -357,6 +379,8 @@ class Segment:
                 now = time.monotonic()
                 if not spin_until:
                     spin_until = now + self.spin
+                    if self.spin and now >= self._next_move:
+                        self._leave_core(member, now)
                 if now < spin_until:
                     # Were the peer runnable on this core (the scheduler put both
                     # here), spinning would only delay it: let it run first.
@@ -379,6 +403,37 @@ class Segment:
                                   _FUTEX_WAIT, ctypes.c_int32(value), ctypes.byref(ts), None, 0)
                     sleep = _SLICE_SECONDS
                 words[flag] = 0
+
+    def _leave_core(self, member: int, now: float) -> None:
+        """Move this thread to another of its CPUs when ``member`` -- late --
+        last arrived on the CPU this thread runs on.
+
+        Woken by each other, the threads of two members are often placed on
+        one core by the kernel and left there while another core idles (on a
+        virtual machine for whole seconds): every sync point then waits for a
+        switch between them, a synchronous 4 KiB allreduce taking ~6x as long.
+        Only while waiters spin (every member has a core of its own, see
+        :func:`spin_seconds`); the thread's CPU mask is narrowed for a moment
+        and then restored as it was, so the kernel picks where it goes.
+        """
+        cpu = _GETCPU()
+        line = member * _WORDS_PER_LINE
+        if cpu != self.words[line + _CPU]:
+            return
+        # Where it arrived may be stale (it slept since, and woke elsewhere):
+        # ask the kernel where that thread is now before moving onto it.
+        if thread_cpu(self.pids[member], self.words[line + _TID]) != cpu:
+            return
+        self._next_move = now + _MOVE_INTERVAL_SECONDS
+        try:
+            mask = os.sched_getaffinity(0)
+            others = mask - {cpu}
+            if others:
+                os.sched_setaffinity(0, others)
+                os.sched_setaffinity(0, mask)
+                self.moves += 1
+        except OSError:
+            self._next_move = float("inf")  # not allowed here: never again
 
     def _missing(self, target: int) -> List[int]:
         out = []
@@ -423,11 +478,13 @@ class Segment:
 
 
 # Header words of each member: 0 is its sync counter, then these; the
-# member's CPU mask fills the rest of its line: a bitmap of CPUs 0..351 and the
-# count of its CPUs numbered higher.
+# member's CPU mask fills the rest of its line: a bitmap of CPUs 0..287, the
+# thread that arrived last and the CPU it arrived on (``_TID``, ``_CPU``), and
+# the count of its CPUs numbered higher.
 _PID, _ATTACHED, _SLEEPING, _MASK = 1, 2, 3, 4
 _BEYOND = _WORDS_PER_LINE - 1
-_MASK_WORDS = _BEYOND - _MASK
+_CPU, _TID = _BEYOND - 1, _BEYOND - 2
+_MASK_WORDS = _TID - _MASK
 _ATTACH_POLL_SECONDS = 0.001
 _created = 0
 
@@ -481,6 +538,16 @@ def unlink(name: str) -> None:
         os.unlink(segment_path(name))
     except OSError:
         pass
+
+
+def thread_cpu(pid: int, tid: int) -> int:
+    """The CPU thread ``tid`` of process ``pid`` runs or waits to run on (-1: unknown)."""
+    try:
+        with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[-1].split()
+        return int(fields[36])  # field 39, "processor"; fields[0] is field 3
+    except (OSError, ValueError, IndexError):
+        return -1
 
 
 def process_gone(pid: int) -> bool:

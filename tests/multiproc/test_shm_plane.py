@@ -376,3 +376,54 @@ def test_missing_member_fails_the_wait_naming_it(behaviour):
         assert float(line.split()[0]) < 2.0, line  # found by the liveness check, not the timeout
     else:
         assert "rank 1 did not reach a shared-memory allreduce within 2s" in line, line
+
+
+def _stacked_on_one_cpu(attempts, ops):
+    import hvdlike.torch as hvd
+    from hvdlike.core import api, shm_segment
+
+    hvd.init()
+    state = api.runtime().process_sets[0]
+    segments = [state.groups.cpu_plane.segment, state.controller.control.segment]
+    mask = os.sched_getaffinity(0)
+    low = min(mask)
+    x = torch.full((1024,), float(hvd.rank() + 1))
+    sums = []
+    for attempt in range(attempts):
+        # This thread (the one running synchronous collectives) onto the lowest
+        # CPU on both ranks, a few collectives there, then the mask back as it
+        # was: the kernel leaves the two where they are, sharing one core.
+        os.sched_setaffinity(0, {low})
+        for i in range(5):
+            sums.append(hvd.allreduce(x, op=hvd.Sum, name=f"pinned.{attempt}.{i}")[0].item())
+        os.sched_setaffinity(0, mask)
+        for i in range(ops):
+            sums.append(hvd.allreduce(x, op=hvd.Sum, name=f"free.{attempt}.{i}")[0].item())
+        moved = hvd.allreduce(torch.tensor([float(sum(s.moves for s in segments))]),
+                              op=hvd.Sum, name=f"moved.{attempt}").item()
+        if moved:
+            break
+    out = {"moves": sum(s.moves for s in segments),
+           "sums": sums, "mask_after": sorted(os.sched_getaffinity(0)), "mask": sorted(mask),
+           "spin": [s.spin for s in segments], "published_cpu": shm_segment._GETCPU is not None}
+    hvd.shutdown()
+    return out
+
+
+def test_ranks_woken_onto_one_core_move_apart():
+    """Both ranks' collective threads left on one CPU: a waiter that finds the
+    late member on its own CPU moves itself; results stay exact, masks intact."""
+    from hvdlike.core import shm_segment
+
+    cpus = os.sched_getaffinity(0)
+    quota = shm_segment.cpu_quota()
+    if len(cpus) < 2 or (quota is not None and quota < 2):
+        pytest.skip(f"needs two usable CPUs (mask {sorted(cpus)}, cgroup quota {quota})")
+    if shm_segment._GETCPU is None:
+        pytest.skip("sched_getcpu is not available on this platform")
+    results = run_ranks(_stacked_on_one_cpu, np=2, args=(5, 50), timeout=120)
+    for r in results:
+        assert r["spin"][0] > 0 and r["spin"][1] > 0, r["spin"]  # every member has a core
+        assert r["mask_after"] == r["mask"]
+        assert set(r["sums"]) == {3.0}
+    assert sum(r["moves"] for r in results) >= 1, results

@@ -4,6 +4,7 @@ import os
 import secrets
 import stat
 import subprocess
+import time
 import sys
 
 import pytest
@@ -190,3 +191,91 @@ def test_the_quota_is_applied_to_the_members_cores(monkeypatch, quota, spins):
     monkeypatch.setattr(shm_segment, "cpu_quota", lambda: quota)
     for view in _two_members([{0}, {1}]):
         assert (shm_segment.spin_for(view) > 0) == spins
+
+
+def test_thread_cpu_reads_where_a_thread_runs_and_minus_one_for_no_such_thread():
+    import threading
+
+    if shm_segment._GETCPU is None:
+        pytest.skip("sched_getcpu is not available on this platform")
+    me = threading.get_native_id()
+    seen = shm_segment.thread_cpu(os.getpid(), me)
+    assert seen in os.sched_getaffinity(0)
+    assert shm_segment.thread_cpu(os.getpid(), 0) == -1
+    assert shm_segment.thread_cpu(2 ** 22 + 7, me) == -1
+
+
+def _stacked_pair():
+    """Two views of one segment where member 1 last arrived on this thread's CPU
+    as this very thread -- what a waiter sees when the late peer shares its core."""
+    import threading
+
+    views = _two_members([{0, 1}, {0, 1}])
+    for view in views:
+        view.spin = shm_segment._SPIN_SECONDS
+        view.pids = [os.getpid(), os.getpid()]
+    views[1].arrive()  # publishes this thread and its CPU as member 1's
+    assert views[0].read(1, shm_segment._TID) == threading.get_native_id()
+    return views
+
+
+@pytest.fixture
+def two_cpus():
+    if shm_segment._GETCPU is None or not hasattr(os, "sched_setaffinity"):
+        pytest.skip("needs sched_getcpu and sched_setaffinity")
+    mask = os.sched_getaffinity(0)
+    if len(mask) < 2:
+        pytest.skip(f"needs two CPUs in this process's affinity mask, has {sorted(mask)}")
+    yield mask
+    os.sched_setaffinity(0, mask)
+
+
+def test_a_waiter_sharing_the_late_members_core_moves_and_keeps_its_cpu_mask(two_cpus):
+    views = _stacked_pair()
+    # The peer "is" this thread: the kernel reports it on exactly this CPU.
+    views[0]._leave_core(1, time.monotonic())
+    assert views[0].moves == 1
+    assert os.sched_getaffinity(0) == two_cpus  # narrowed for a moment, then restored
+
+
+def test_a_waiter_stays_when_the_late_member_runs_elsewhere_or_moved_since(two_cpus, monkeypatch):
+    views = _stacked_pair()
+    line = shm_segment._WORDS_PER_LINE
+    cpu = shm_segment._GETCPU()
+    views[0].words[line + shm_segment._CPU] = cpu + 1  # arrived on another CPU
+    views[0]._leave_core(1, time.monotonic())
+    assert views[0].moves == 0
+    # Arrived here, but the kernel now has it elsewhere (it slept and woke
+    # on the other core): moving would put the two together.
+    views[0].words[line + shm_segment._CPU] = cpu
+    monkeypatch.setattr(shm_segment, "thread_cpu", lambda pid, tid: cpu + 1)
+    views[0]._leave_core(1, time.monotonic())
+    assert views[0].moves == 0
+    assert os.sched_getaffinity(0) == two_cpus
+
+
+def test_moving_off_a_core_is_rate_limited_and_off_for_good_when_refused(two_cpus, monkeypatch):
+    views = _stacked_pair()
+    now = time.monotonic()
+    views[0]._leave_core(1, now)
+    assert views[0].moves == 1
+    # wait_all consults the limit before calling; the limit is set past ``now``.
+    assert views[0]._next_move == pytest.approx(now + shm_segment._MOVE_INTERVAL_SECONDS)
+
+    def refuse(pid, mask):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "sched_setaffinity", refuse)
+    views[1].arrive()  # the "peer" (this thread) arrives again, on the CPU it moved to
+    views[0]._leave_core(1, now + 1.0)
+    assert views[0].moves == 1 and views[0]._next_move == float("inf")
+
+
+def test_a_member_alone_on_its_cpu_mask_never_moves(monkeypatch, two_cpus):
+    views = _stacked_pair()
+    cpu = shm_segment._GETCPU()
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {cpu})
+    calls = []
+    monkeypatch.setattr(os, "sched_setaffinity", lambda pid, mask: calls.append(mask))
+    views[0]._leave_core(1, time.monotonic())
+    assert views[0].moves == 0 and calls == []
