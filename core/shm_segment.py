@@ -20,7 +20,10 @@ on every read, when each member has a core of its own; a few reads otherwise
 ``futex(FUTEX_WAIT)`` (through ctypes, the GIL released), and an arriving
 member wakes sleepers with ``futex(FUTEX_WAKE)``: an idle or late peer costs
 at most the spin, and nothing on a host with more ranks than cores. Where
-futex is unavailable, waiting falls back to naps that grow to 1 ms.
+futex is unavailable, waiting falls back to naps that grow to 1 ms. A waiter
+about to spin that finds the late member on its own CPU moves itself to another
+(``Segment._leave_core``): two members left on one core by the kernel otherwise
+pay a time slice per sync point.
 
 Ordering: counters and data are plain stores. x86-64 keeps stores in program
 order and loads in program order, so data written before a counter is seen
@@ -405,8 +408,8 @@ class Segment:
                 words[flag] = 0
 
     def _leave_core(self, member: int, now: float) -> None:
-        """Move this thread to another of its CPUs when ``member`` -- late --
-        last arrived on the CPU this thread runs on.
+        """Move this thread to another of its CPUs when the thread of ``member``
+        that arrived last -- late now -- waits to run on the CPU this one runs on.
 
         Woken by each other, the threads of two members are often placed on
         one core by the kernel and left there while another core idles (on a
@@ -420,9 +423,10 @@ class Segment:
         line = member * _WORDS_PER_LINE
         if cpu != self.words[line + _CPU]:
             return
-        # Where it arrived may be stale (it slept since, and woke elsewhere):
-        # ask the kernel where that thread is now before moving onto it.
-        if thread_cpu(self.pids[member], self.words[line + _TID]) != cpu:
+        # Where it arrived may be stale (it slept since, and woke elsewhere), and
+        # a sleeping thread takes no CPU: ask the kernel whether that thread
+        # waits to run right here before moving.
+        if runnable_on(self.pids[member], self.words[line + _TID]) != cpu:
             return
         self._next_move = now + _MOVE_INTERVAL_SECONDS
         try:
@@ -540,12 +544,14 @@ def unlink(name: str) -> None:
         pass
 
 
-def thread_cpu(pid: int, tid: int) -> int:
-    """The CPU thread ``tid`` of process ``pid`` runs or waits to run on (-1: unknown)."""
+def runnable_on(pid: int, tid: int) -> int:
+    """The CPU thread ``tid`` of process ``pid`` runs or waits to run on; -1 when
+    it sleeps (it competes for no CPU) or cannot be read."""
     try:
         with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
             fields = f.read().rsplit(b")", 1)[-1].split()
-        return int(fields[36])  # field 39, "processor"; fields[0] is field 3
+        # fields[0] is field 3 of proc(5), the state; field 39 is "processor".
+        return int(fields[36]) if fields[0] == b"R" else -1
     except (OSError, ValueError, IndexError):
         return -1
 

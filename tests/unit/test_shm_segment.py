@@ -193,16 +193,33 @@ def test_the_quota_is_applied_to_the_members_cores(monkeypatch, quota, spins):
         assert (shm_segment.spin_for(view) > 0) == spins
 
 
-def test_thread_cpu_reads_where_a_thread_runs_and_minus_one_for_no_such_thread():
+def test_runnable_on_names_a_running_threads_cpu_and_minus_one_for_a_sleeper():
     import threading
 
     if shm_segment._GETCPU is None:
         pytest.skip("sched_getcpu is not available on this platform")
     me = threading.get_native_id()
-    seen = shm_segment.thread_cpu(os.getpid(), me)
-    assert seen in os.sched_getaffinity(0)
-    assert shm_segment.thread_cpu(os.getpid(), 0) == -1
-    assert shm_segment.thread_cpu(2 ** 22 + 7, me) == -1
+    assert shm_segment.runnable_on(os.getpid(), me) in os.sched_getaffinity(0)
+    stop, started, tids = threading.Event(), threading.Event(), []
+
+    def sleeper():
+        tids.append(threading.get_native_id())
+        started.set()
+        stop.wait(30)
+
+    thread = threading.Thread(target=sleeper, daemon=True)
+    thread.start()
+    try:
+        assert started.wait(10)
+        deadline = time.monotonic() + 10
+        while shm_segment.runnable_on(os.getpid(), tids[0]) != -1:  # asleep on the event
+            assert time.monotonic() < deadline, "the sleeping thread never showed as asleep"
+            time.sleep(0.01)
+    finally:
+        stop.set()
+        thread.join(10)
+    assert shm_segment.runnable_on(os.getpid(), 0) == -1
+    assert shm_segment.runnable_on(2 ** 22 + 7, me) == -1
 
 
 def _stacked_pair():
@@ -246,11 +263,12 @@ def test_a_waiter_stays_when_the_late_member_runs_elsewhere_or_moved_since(two_c
     views[0]._leave_core(1, time.monotonic())
     assert views[0].moves == 0
     # Arrived here, but the kernel now has it elsewhere (it slept and woke
-    # on the other core): moving would put the two together.
+    # on the other core) or asleep: moving would gain nothing, or put the two together.
     views[0].words[line + shm_segment._CPU] = cpu
-    monkeypatch.setattr(shm_segment, "thread_cpu", lambda pid, tid: cpu + 1)
-    views[0]._leave_core(1, time.monotonic())
-    assert views[0].moves == 0
+    for elsewhere in (cpu + 1, -1):
+        monkeypatch.setattr(shm_segment, "runnable_on", lambda pid, tid, where=elsewhere: where)
+        views[0]._leave_core(1, time.monotonic())
+        assert views[0].moves == 0
     assert os.sched_getaffinity(0) == two_cpus
 
 
