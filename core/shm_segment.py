@@ -432,12 +432,19 @@ class Segment:
         try:
             mask = os.sched_getaffinity(0)
             others = mask - {cpu}
-            if others:
-                os.sched_setaffinity(0, others)
-                os.sched_setaffinity(0, mask)
-                self.moves += 1
+            if not others:
+                return
+            os.sched_setaffinity(0, others)
         except OSError:
             self._next_move = float("inf")  # not allowed here: never again
+            return
+        self.moves += 1
+        try:
+            os.sched_setaffinity(0, mask)
+        except OSError:
+            # The CPUs allowed changed meanwhile (a cpuset): the thread keeps
+            # the subset it has; no more moves that could narrow it further.
+            self._next_move = float("inf")
 
     def _missing(self, target: int) -> List[int]:
         out = []

@@ -297,3 +297,19 @@ def test_a_member_alone_on_its_cpu_mask_never_moves(monkeypatch, two_cpus):
     monkeypatch.setattr(os, "sched_setaffinity", lambda pid, mask: calls.append(mask))
     views[0]._leave_core(1, time.monotonic())
     assert views[0].moves == 0 and calls == []
+
+
+def test_a_refused_restore_of_the_cpu_mask_stops_further_moves(two_cpus, monkeypatch):
+    views = _stacked_pair()
+    real, calls = os.sched_setaffinity, []
+
+    def second_refused(pid, mask):
+        calls.append(set(mask))
+        if len(calls) == 2:
+            raise OSError(22, "Invalid argument")
+        real(pid, mask)
+
+    monkeypatch.setattr(os, "sched_setaffinity", second_refused)
+    views[0]._leave_core(1, time.monotonic())
+    assert views[0].moves == 1 and views[0]._next_move == float("inf")
+    assert len(calls) == 2 and calls[1] == two_cpus and calls[0] < two_cpus
