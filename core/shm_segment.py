@@ -416,8 +416,9 @@ class Segment:
         virtual machine for whole seconds): every sync point then waits for a
         switch between them, a synchronous 4 KiB allreduce taking ~6x as long.
         Only while waiters spin (every member has a core of its own, see
-        :func:`spin_seconds`); the thread's CPU mask is narrowed for a moment
-        and then restored as it was, so the kernel picks where it goes.
+        :func:`spin_seconds`) and some CPU of the host has nothing to run; the
+        thread's CPU mask is narrowed for a moment and then restored as it
+        was, so the kernel picks where it goes.
         """
         cpu = _GETCPU()
         line = member * _WORDS_PER_LINE
@@ -429,6 +430,8 @@ class Segment:
         if runnable_on(self.pids[member], self.words[line + _TID]) != cpu:
             return
         self._next_move = now + _MOVE_INTERVAL_SECONDS
+        if runnable_tasks() > (os.cpu_count() or 1):
+            return  # every CPU has work: a move would only queue this thread elsewhere
         try:
             mask = os.sched_getaffinity(0)
             others = mask - {cpu}
@@ -549,6 +552,15 @@ def unlink(name: str) -> None:
         os.unlink(segment_path(name))
     except OSError:
         pass
+
+
+def runnable_tasks(path: str = "/proc/loadavg") -> int:
+    """Threads running or waiting to run on the whole host now (0: cannot tell)."""
+    try:
+        with open(path, "rb") as f:
+            return int(f.read().split()[3].split(b"/")[0])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def runnable_on(pid: int, tid: int) -> int:

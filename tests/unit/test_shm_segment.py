@@ -313,3 +313,24 @@ def test_a_refused_restore_of_the_cpu_mask_stops_further_moves(two_cpus, monkeyp
     views[0]._leave_core(1, time.monotonic())
     assert views[0].moves == 1 and views[0]._next_move == float("inf")
     assert len(calls) == 2 and calls[1] == two_cpus and calls[0] < two_cpus
+
+
+def test_runnable_tasks_reads_the_hosts_runnable_count_and_zero_when_unreadable(tmp_path):
+    good = tmp_path / "loadavg"
+    good.write_text("0.52 0.58 0.59 5/467 12345\n")
+    assert shm_segment.runnable_tasks(str(good)) == 5
+    bad = tmp_path / "bad"
+    bad.write_text("garbage\n")
+    assert shm_segment.runnable_tasks(str(bad)) == 0
+    assert shm_segment.runnable_tasks(str(tmp_path / "missing")) == 0
+
+
+def test_no_move_when_every_cpu_of_the_host_has_work(two_cpus, monkeypatch):
+    views = _stacked_pair()
+    monkeypatch.setattr(shm_segment, "runnable_tasks", lambda: (os.cpu_count() or 1) + 1)
+    now = time.monotonic()
+    views[0]._leave_core(1, now)
+    assert views[0].moves == 0
+    assert os.sched_getaffinity(0) == two_cpus
+    # The look at the host counts against the rate limit like a move.
+    assert views[0]._next_move == pytest.approx(now + shm_segment._MOVE_INTERVAL_SECONDS)
