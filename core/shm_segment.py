@@ -341,7 +341,7 @@ class Segment:
         """
         self.count = (self.count + 1) & 0x7FFFFFFF
         words = self.words
-        if self.spin:  # where this member runs, for a waiter to see it shares its core
+        if self.spin and _GETCPU is not None:  # for a waiter to see it shares its core
             line = self.me * _WORDS_PER_LINE
             words[line + _CPU] = _GETCPU()
             words[line + _TID] = _native_id()
@@ -426,10 +426,10 @@ class Segment:
             return
         # Where it arrived may be stale (it slept since, and woke elsewhere), and
         # a sleeping thread takes no CPU: ask the kernel whether that thread
-        # waits to run right here before moving.
+        # waits to run right here before moving (a look rate-limited like a move).
+        self._next_move = now + _MOVE_INTERVAL_SECONDS
         if runnable_on(self.pids[member], self.words[line + _TID]) != cpu:
             return
-        self._next_move = now + _MOVE_INTERVAL_SECONDS
         if runnable_tasks() > (os.cpu_count() or 1):
             return  # every CPU has work: a move would only queue this thread elsewhere
         try:

@@ -237,14 +237,17 @@ def _stacked_pair():
 
 
 @pytest.fixture
-def two_cpus():
+def two_cpus(monkeypatch):
     if shm_segment._GETCPU is None or not hasattr(os, "sched_setaffinity"):
         pytest.skip("needs sched_getcpu and sched_setaffinity")
     mask = os.sched_getaffinity(0)
     if len(mask) < 2:
         pytest.skip(f"needs two CPUs in this process's affinity mask, has {sorted(mask)}")
+    # A quiet host whatever else runs meanwhile (see test_no_move_when_every_cpu...).
+    monkeypatch.setattr(shm_segment, "runnable_tasks", lambda: 1)
+    restore = os.sched_setaffinity  # the real one, whatever a test patches in
     yield mask
-    os.sched_setaffinity(0, mask)
+    restore(0, mask)
 
 
 def test_a_waiter_sharing_the_late_members_core_moves_and_keeps_its_cpu_mask(two_cpus):
@@ -334,3 +337,13 @@ def test_no_move_when_every_cpu_of_the_host_has_work(two_cpus, monkeypatch):
     assert os.sched_getaffinity(0) == two_cpus
     # The look at the host counts against the rate limit like a move.
     assert views[0]._next_move == pytest.approx(now + shm_segment._MOVE_INTERVAL_SECONDS)
+
+
+def test_members_arrive_without_sched_getcpu(monkeypatch):
+    views = _two_members([{0, 1}, {0, 1}])
+    monkeypatch.setattr(shm_segment, "_GETCPU", None)
+    for view in views:
+        view.spin = shm_segment._SPIN_SECONDS
+    assert views[0].arrive() == 1 and views[1].arrive() == 1
+    views[0].wait_all(lambda missing: None)  # both arrived: returns at once
+    assert views[0].read(1, shm_segment._TID) == 0  # nothing published
