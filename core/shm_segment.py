@@ -563,13 +563,19 @@ def runnable_tasks(path: str = "/proc/loadavg") -> int:
         return 0
 
 
+def _stat_fields(path: str) -> List[bytes]:
+    """The fields of a ``/proc/.../stat`` file after the command name (raises OSError):
+    the first is field 3 of proc(5), the state."""
+    with open(path, "rb") as f:
+        return f.read().rsplit(b")", 1)[-1].split()
+
+
 def runnable_on(pid: int, tid: int) -> int:
     """The CPU thread ``tid`` of process ``pid`` runs or waits to run on; -1 when
     it sleeps (it competes for no CPU) or cannot be read."""
     try:
-        with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[-1].split()
-        # fields[0] is field 3 of proc(5), the state; field 39 is "processor".
+        fields = _stat_fields(f"/proc/{pid}/task/{tid}/stat")
+        # fields[0] is the state; field 39 of proc(5) is "processor".
         return int(fields[36]) if fields[0] == b"R" else -1
     except (OSError, ValueError, IndexError):
         return -1
@@ -580,8 +586,7 @@ def process_gone(pid: int) -> bool:
     if pid <= 0:
         return False
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[-1].split()
+        fields = _stat_fields(f"/proc/{pid}/stat")
         return bool(fields) and fields[0] in (b"Z", b"X")
     except FileNotFoundError:
         return True
