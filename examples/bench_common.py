@@ -9,6 +9,7 @@ can be alternated step block by step block on identical inputs.
 from __future__ import annotations
 
 import os
+import resource
 import statistics
 import threading
 import time
@@ -70,6 +71,26 @@ def summary(values: List[float]) -> dict:
         return {"median": float("nan"), "p25": float("nan"), "p75": float("nan"), "n": 0}
     q = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
     return {"median": statistics.median(values), "p25": q[0], "p75": q[2], "n": len(values)}
+
+
+def minor_faults() -> int:
+    """Minor page faults of this whole process so far (every thread's)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def faults_counted(fn: Callable[[], object], sink: List[int]) -> Callable[[], None]:
+    """``fn``, appending to ``sink`` the minor page faults the process took during each call.
+
+    A step whose buffers the allocator maps afresh (and the kernel zeroes)
+    pays a fault per 4 KiB page touched first; reported next to the step
+    times so a contender slowed by that is visible as such.
+    """
+    def step() -> None:
+        before = minor_faults()
+        fn()
+        sink.append(minor_faults() - before)
+
+    return step
 
 
 def timed(fn: Callable[[], object]) -> Step:

@@ -99,7 +99,8 @@ def table(data: dict) -> str:
              f"hvdlike control plane {meta.get('hvdlike_controller', 'gloo')}, CPU data plane "
              f"{meta.get('hvdlike_cpu_operations', 'gloo')}; DDP and raw contenders on Gloo"
              + (f"; DistributedOptimizer reduces CPU gradients {meta['hvdlike_cpu_overlap']}"
-                if "hvdlike_cpu_overlap" in meta else ""), ""]
+                if "hvdlike_cpu_overlap" in meta else "")
+             + (f"; allocator {meta['allocator']}" if "allocator" in meta else ""), ""]
     for key, title in (("train_large", "training step"), ("train_small", "training step")):
         t = res.get(key)
         if not t:
@@ -113,6 +114,9 @@ def table(data: dict) -> str:
                      f"{r[key + '.hvdlike/compute']:.3f}   ddp/compute "
                      f"{r[key + '.ddp/compute']:.3f}   (max |param diff| "
                      f"{t['max_param_diff_vs_ddp']:.1e})")
+        if "minor_faults_per_step" in t["hvdlike"]:
+            lines.append("  page faults per step (median, busiest rank)   " + "   ".join(
+                f"{n} {t[n]['minor_faults_per_step']:.0f}" for n in ("hvdlike", "ddp", "compute")))
         lines.append("")
     if res.get("allreduce"):
         lines.append("allreduce (fp32 sum)    hvdlike ms   gloo ms   ratio   busbw GB/s hvd/gloo"

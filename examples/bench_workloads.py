@@ -23,8 +23,9 @@ from typing import Dict, List
 import torch
 import torch.distributed as dist
 
-from bench_common import (alternate, batch, fastest_rank, loadavg, make_model, rss_bytes, slowest_rank,
-                          summary, thread_cpu_seconds, threads_named, timed, train_step)
+from bench_common import (alternate, batch, fastest_rank, faults_counted, loadavg, make_model, median,
+                          rss_bytes, slowest_rank, summary, thread_cpu_seconds, threads_named,
+                          timed, train_step)
 
 KIB = 1024
 MIB = 1024 * 1024
@@ -77,19 +78,23 @@ def training(hvd, cfg, layers: int, width: int, batch_size: int) -> dict:
     ddp = DDP(m_ddp)
     opt_ddp = torch.optim.SGD(ddp.parameters(), lr=lr)
     opt_cpu = torch.optim.SGD(m_cpu.parameters(), lr=lr)
+    faults: Dict[str, List[int]] = {"hvdlike": [], "ddp": [], "compute": []}
     contenders = {
-        "hvdlike": timed(train_step(m_hvd, opt_hvd, x, y)),
-        "ddp": timed(train_step(ddp, opt_ddp, x, y)),
-        "compute": timed(train_step(m_cpu, opt_cpu, x, y)),
+        "hvdlike": timed(faults_counted(train_step(m_hvd, opt_hvd, x, y), faults["hvdlike"])),
+        "ddp": timed(faults_counted(train_step(ddp, opt_ddp, x, y), faults["ddp"])),
+        "compute": timed(faults_counted(train_step(m_cpu, opt_cpu, x, y), faults["compute"])),
     }
     samples = alternate(contenders, cfg["reps"], cfg["steps"], cfg["warmup"])
+    # Median minor page faults per step (warm-up steps included), busiest rank.
+    faults_per_step = dict(zip(faults, slowest_rank([float(median(v)) for v in faults.values()])))
     # Same start, same batches, same number of steps: hvdlike and DDP must agree.
     diff = max((a - b).abs().max().item() for a, b in zip(m_hvd.parameters(), m_ddp.parameters()))
     params = sum(p.numel() for p in base.parameters())
     tensors = len(list(base.parameters()))
     return {"layers": layers, "width": width, "batch": batch_size, "params": params,
             "tensors": tensors, "hvdlike_optimizer": kind, "max_param_diff_vs_ddp": diff,
-            **{n: summary(v) for n, v in samples.items()}}
+            **{n: dict(summary(v), minor_faults_per_step=faults_per_step[n])
+               for n, v in samples.items()}}
 
 
 def allreduce_sizes(hvd, cfg) -> dict:
@@ -289,7 +294,8 @@ def main(cfg: dict) -> None:
                 "%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
             "seconds": time.time() - started, "loadavg_start": load0, "loadavg_end": loadavg(),
             "settings": cfg, "hvdlike_controller": controller,
-            "hvdlike_cpu_operations": cpu_operations, "hvdlike_cpu_overlap": cpu_overlap}
+            "hvdlike_cpu_operations": cpu_operations, "hvdlike_cpu_overlap": cpu_overlap,
+            "allocator": cfg.get("allocator", "default")}
     hvd.shutdown()
     dist.barrier()
     if dist.get_rank() == 0:

@@ -36,9 +36,14 @@ def test_quick_benchmark_writes_every_workload_and_finite_ratios(tmp_path, launc
         assert results[key]["max_param_diff_vs_ddp"] < 1e-5
         for contender in ("hvdlike", "ddp", "compute"):
             assert results[key][contender]["n"] >= 2
+            faults = results[key][contender]["minor_faults_per_step"]
+            assert faults >= 0 and faults == int(faults), (key, contender, faults)
     assert data["ratios"], "no ratios computed"
     for name, value in data["ratios"].items():
         assert math.isfinite(value) and value > 0, (name, value)
     assert {t["target"].split()[0] for t in data["targets"]} >= {
         "train_large", "train_small", "allreduce", "500x4KiB", "control", "whole", "RSS"}
     assert "hvdlike/ddp" in proc.stdout  # the table was printed
+    # By default the ranks' glibc keeps freed buffers (see --allocator).
+    assert data["meta"]["allocator"].startswith("glibc thresholds MALLOC_MMAP_THRESHOLD_=")
+    assert "page faults per step" in proc.stdout
