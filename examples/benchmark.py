@@ -26,7 +26,7 @@ The ranks run with glibc's trim and mmap thresholds fixed
 win): freed gradient and activation buffers are then reused rather than
 unmapped and faulted in again the next step. Left to glibc's adaptive
 thresholds (``--allocator default``), whether a contender pays that -- ~8,000
-page faults and 8-10 ms per 8 x Linear(1024) step on the test machine -- comes
+page faults and 8-14 ms per 8 x Linear(1024) step on the test machine -- comes
 and goes with the order of its frees, differently for each contender and
 run. The training rows report page faults per step either way.
 Prints a table of medians and ratios and writes everything to ``--json``.

@@ -37,7 +37,8 @@ def test_quick_benchmark_writes_every_workload_and_finite_ratios(tmp_path, launc
         for contender in ("hvdlike", "ddp", "compute"):
             assert results[key][contender]["n"] >= 2
             faults = results[key][contender]["minor_faults_per_step"]
-            assert faults >= 0 and faults == int(faults), (key, contender, faults)
+            # A median of whole counts: whole or halfway between two.
+            assert faults >= 0 and 2 * faults == int(2 * faults), (key, contender, faults)
     assert data["ratios"], "no ratios computed"
     for name, value in data["ratios"].items():
         assert math.isfinite(value) and value > 0, (name, value)
