@@ -68,8 +68,15 @@ def settings(args) -> dict:
                "sizes": [4 * KIB * 4 ** i for i in range(8)],  # 4 KiB .. 64 MiB
                "many_count": 500, "cached_count": 400, "idle_seconds": 2.0}
     for key in ("reps", "steps"):
-        if getattr(args, key) is not None:
-            cfg[key] = getattr(args, key)
+        value = getattr(args, key)
+        if value is not None:
+            if value < 1:
+                raise SystemExit(f"--{key}: must be at least 1, got {value}")
+            cfg[key] = value
+    if args.np < 1:
+        raise SystemExit(f"--np: must be at least 1, got {args.np}")
+    if args.rss_steps < 0:
+        raise SystemExit(f"--rss-steps: must be 0 (off) or more, got {args.rss_steps}")
     cfg.update(workloads=workloads, rss_steps=args.rss_steps, json=os.path.abspath(args.json),
                quick=args.quick)
     return cfg

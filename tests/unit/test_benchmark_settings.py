@@ -49,3 +49,21 @@ def test_an_unknown_allocator_choice_is_refused(capsys):
         benchmark.main(["--allocator", "jemalloc", "--json", os.devnull])
     assert exc.value.code == 2
     assert "--allocator" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--reps", "0"], "--reps: must be at least 1, got 0"),
+    (["--steps", "-2"], "--steps: must be at least 1, got -2"),
+    (["--np", "0"], "--np: must be at least 1, got 0"),
+    (["--rss-steps", "-3"], "--rss-steps: must be 0 (off) or more, got -3"),
+    (["--workloads", "train_large,bogus"], "--workloads: unknown ['bogus']; choose from "
+     "train_large, train_small, allreduce, many_small, overhead or none"),
+])
+def test_bad_counts_are_refused_before_any_rank_starts(argv, message, monkeypatch):
+    def no_ranks(*args, **kwargs):
+        raise AssertionError("ranks were started")
+
+    monkeypatch.setattr(benchmark.subprocess, "run", no_ranks)
+    with pytest.raises(SystemExit) as exc:
+        benchmark.main(argv + ["--json", os.devnull])
+    assert str(exc.value) == message
