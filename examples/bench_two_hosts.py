@@ -14,7 +14,11 @@ Contenders, alternated in rotating blocks (see ``bench_common.alternate``):
   (shared memory inside each host, one Gloo pair across), and hvdlike with
   the same runtime's data plane switched to its flat Gloo ring; time and bus
   bandwidth ``2(p-1)/p * bytes / time``, p = 4;
-* ``train_large`` / ``train_small``: hvdlike ``DistributedOptimizer`` vs DDP.
+* ``train_large`` / ``train_small``: hvdlike ``DistributedOptimizer`` vs DDP
+  (and each one's page faults per step).
+
+The ranks start with glibc's thresholds fixed, as in ``benchmark.py``
+(``--allocator``, see ``bench_allocator``).
 
 The hosts are namespaces of one machine: "between hosts" is a veth pair
 through a bridge (kernel TCP, no wire), so this shows the algorithms' costs
@@ -34,6 +38,10 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+
+import bench_allocator  # noqa: E402
+
 KIB, MIB = 1024, 1024 * 1024
 
 
@@ -56,6 +64,10 @@ def table(data: dict) -> str:
                          f"{1e3 * t['ddp']['median']:.1f} ms  hvdlike/ddp "
                          f"{t['hvdlike']['median'] / t['ddp']['median']:.3f}  (max |param diff| "
                          f"{t['max_param_diff_vs_ddp']:.1e})")
+            if "minor_faults_per_step" in t["hvdlike"]:
+                lines.append(f"  page faults per step (median, busiest rank)  hvdlike "
+                             f"{t['hvdlike']['minor_faults_per_step']:.0f}  ddp "
+                             f"{t['ddp']['minor_faults_per_step']:.0f}")
     return "\n".join(lines)
 
 
@@ -66,6 +78,7 @@ def main(argv=None) -> int:
     parser.add_argument("--training", default="train_large,train_small",
                         help="training workloads to run (comma list, or none)")
     parser.add_argument("--timeout", type=float, default=1800)
+    bench_allocator.add_argument(parser)
     args = parser.parse_args(argv)
     from tests import netns
 
@@ -84,8 +97,9 @@ def main(argv=None) -> int:
                "init_method": f"tcp://{cluster.ips[0]}:{random.randint(30000, 60000)}"}
         if os.path.exists(out):
             os.remove(out)
-        env = dict(os.environ, OMP_NUM_THREADS="1",
-                   PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+        env, allocator = bench_allocator.environment(
+            args.allocator, OMP_NUM_THREADS="1",
+            PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
         cmd = [sys.executable, "-m", "hvdlike.launcher.cli", "-np", "4", "-H",
                f"{cluster.ips[0]}:2,{cluster.ips[1]}:2", *cluster.ssh_options(),
                sys.executable, os.path.join(HERE, "bench_two_hosts_rank.py"), json.dumps(cfg)]
@@ -99,7 +113,7 @@ def main(argv=None) -> int:
         cluster.teardown()
     with open(out) as f:
         data = json.load(f)
-    data["meta"].update(loadavg_start=load, seconds=time.time() - started,
+    data["meta"].update(loadavg_start=load, seconds=time.time() - started, allocator=allocator,
                         started_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
                         command=" ".join(["python", "examples/bench_two_hosts.py"]
                                          + (sys.argv[1:] if argv is None else list(argv))))

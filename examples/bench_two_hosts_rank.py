@@ -21,7 +21,8 @@ sys.path.insert(0, HERE)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from bench_common import alternate, batch, loadavg, make_model, summary, timed, train_step  # noqa: E402,E501
+from bench_common import (alternate, batch, faults_counted, loadavg,  # noqa: E402
+                          make_model, median, slowest_rank, summary, timed, train_step)
 
 
 def main() -> None:
@@ -74,12 +75,16 @@ def main() -> None:
                                            named_parameters=m_hvd.named_parameters())
         ddp = DDP(m_ddp)
         opt_ddp = torch.optim.SGD(ddp.parameters(), lr=1e-4)
-        samples = alternate({"hvdlike": timed(train_step(m_hvd, opt_hvd, x, y)),
-                             "ddp": timed(train_step(ddp, opt_ddp, x, y))},
-                            cfg["reps"], cfg["steps"], cfg["warmup"])
+        faults = {"hvdlike": [], "ddp": []}
+        samples = alternate(
+            {"hvdlike": timed(faults_counted(train_step(m_hvd, opt_hvd, x, y), faults["hvdlike"])),
+             "ddp": timed(faults_counted(train_step(ddp, opt_ddp, x, y), faults["ddp"]))},
+            cfg["reps"], cfg["steps"], cfg["warmup"])
+        per_step = dict(zip(faults, slowest_rank([float(median(v)) for v in faults.values()])))
         diff = max((p - q).abs().max().item()
                    for p, q in zip(m_hvd.parameters(), m_ddp.parameters()))
-        results[key] = {n: summary(v) for n, v in samples.items()}
+        results[key] = {n: dict(summary(v), minor_faults_per_step=per_step[n])
+                        for n, v in samples.items()}
         results[key]["max_param_diff_vs_ddp"] = diff
     if rank == 0:
         results["meta"] = {"np": size, "loadavg_end": loadavg(), "finished": time.time()}

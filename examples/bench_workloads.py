@@ -23,9 +23,9 @@ from typing import Dict, List
 import torch
 import torch.distributed as dist
 
-from bench_common import (alternate, batch, fastest_rank, faults_counted, loadavg, make_model, median,
-                          rss_bytes, slowest_rank, summary, thread_cpu_seconds, threads_named,
-                          timed, train_step)
+from bench_common import (alternate, batch, fastest_rank, faults_counted, loadavg, make_model,
+                          median, rss_bytes, slowest_rank, summary, thread_cpu_seconds,
+                          threads_named, timed, train_step)
 
 KIB = 1024
 MIB = 1024 * 1024

@@ -46,13 +46,11 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+import bench_allocator  # noqa: E402
 from bench_report import table  # noqa: E402
 
 ALL = ("train_large", "train_small", "allreduce", "many_small", "overhead")
 KIB, MIB = 1024, 1024 * 1024
-# --allocator steady (the default): freed memory up to 1 GiB stays with the process, and
-# blocks below 32 MiB come from the heap instead of a mapping of their own.
-STEADY_ALLOCATOR = {"MALLOC_TRIM_THRESHOLD_": str(1 << 30), "MALLOC_MMAP_THRESHOLD_": str(32 << 20)}
 
 
 def settings(args) -> dict:
@@ -84,12 +82,7 @@ def settings(args) -> dict:
 
 def rank_environment(args, base=None) -> tuple:
     """(environment of the ranks, what their allocator settings are) for ``args``."""
-    env = dict(os.environ if base is None else base, OMP_NUM_THREADS="1")
-    if args.allocator == "steady":
-        for key, value in STEADY_ALLOCATOR.items():
-            env.setdefault(key, value)  # a value the caller set wins
-    fixed = [f"{k}={env[k]}" for k in sorted(STEADY_ALLOCATOR) if k in env]
-    return env, ("glibc thresholds " + ", ".join(fixed)) if fixed else "default"
+    return bench_allocator.environment(args.allocator, base, OMP_NUM_THREADS="1")
 
 
 def _free_port() -> int:
@@ -109,10 +102,7 @@ def main(argv=None) -> int:
     parser.add_argument("--rss-steps", type=int, default=0,
                         help="also train this many hvdlike steps and report RSS growth")
     parser.add_argument("--json", default="benchmark.json", help="where to write the results")
-    parser.add_argument("--allocator", choices=("steady", "default"), default="steady",
-                        help="steady (default): fix glibc's trim and mmap thresholds in the "
-                             "ranks, so no contender maps and faults in its buffers afresh "
-                             "every step; default: leave glibc's adaptive thresholds")
+    bench_allocator.add_argument(parser)
     parser.add_argument("--timeout", type=float, default=3600, help="kill the run after this")
     parser.add_argument("--launcher", choices=("torchrun", "mpirun"), default="torchrun",
                         help="start the ranks with torchrun (hvdlike on Gloo) or mpirun "
