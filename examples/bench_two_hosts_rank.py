@@ -21,8 +21,8 @@ sys.path.insert(0, HERE)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from bench_common import (alternate, batch, faults_counted, loadavg,  # noqa: E402
-                          make_model, median, slowest_rank, summary, timed, train_step)
+from bench_common import (alternate, batch, faults_counted, faults_per_step,  # noqa: E402
+                          loadavg, make_model, summary, timed, train_step)
 
 
 def main() -> None:
@@ -80,7 +80,7 @@ def main() -> None:
             {"hvdlike": timed(faults_counted(train_step(m_hvd, opt_hvd, x, y), faults["hvdlike"])),
              "ddp": timed(faults_counted(train_step(ddp, opt_ddp, x, y), faults["ddp"]))},
             cfg["reps"], cfg["steps"], cfg["warmup"])
-        per_step = dict(zip(faults, slowest_rank([float(median(v)) for v in faults.values()])))
+        per_step = faults_per_step(faults)
         diff = max((p - q).abs().max().item()
                    for p, q in zip(m_hvd.parameters(), m_ddp.parameters()))
         results[key] = {n: dict(summary(v), minor_faults_per_step=per_step[n])

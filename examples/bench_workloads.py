@@ -23,9 +23,9 @@ from typing import Dict, List
 import torch
 import torch.distributed as dist
 
-from bench_common import (alternate, batch, fastest_rank, faults_counted, loadavg, make_model,
-                          median, rss_bytes, slowest_rank, summary, thread_cpu_seconds,
-                          threads_named, timed, train_step)
+from bench_common import (alternate, batch, fastest_rank, faults_counted, faults_per_step,
+                          loadavg, make_model, rss_bytes, slowest_rank, summary,
+                          thread_cpu_seconds, threads_named, timed, train_step)
 
 KIB = 1024
 MIB = 1024 * 1024
@@ -85,15 +85,14 @@ def training(hvd, cfg, layers: int, width: int, batch_size: int) -> dict:
         "compute": timed(faults_counted(train_step(m_cpu, opt_cpu, x, y), faults["compute"])),
     }
     samples = alternate(contenders, cfg["reps"], cfg["steps"], cfg["warmup"])
-    # Median minor page faults per step (warm-up steps included), busiest rank.
-    faults_per_step = dict(zip(faults, slowest_rank([float(median(v)) for v in faults.values()])))
+    per_step = faults_per_step(faults)  # warm-up steps included
     # Same start, same batches, same number of steps: hvdlike and DDP must agree.
     diff = max((a - b).abs().max().item() for a, b in zip(m_hvd.parameters(), m_ddp.parameters()))
     params = sum(p.numel() for p in base.parameters())
     tensors = len(list(base.parameters()))
     return {"layers": layers, "width": width, "batch": batch_size, "params": params,
             "tensors": tensors, "hvdlike_optimizer": kind, "max_param_diff_vs_ddp": diff,
-            **{n: dict(summary(v), minor_faults_per_step=faults_per_step[n])
+            **{n: dict(summary(v), minor_faults_per_step=per_step[n])
                for n, v in samples.items()}}
 
 
