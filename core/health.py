@@ -17,7 +17,15 @@ that talks only to the store (through its own connection):
   ``HVDLIKE_DEADLOCK_TIME_SECONDS``, rank 0 posts the abort with a
   :class:`DeadlockError` naming what each rank waits for;
 * when a collective fails, :meth:`Health.diagnose` tells which peers stopped
-  beating, so the error names the dead rank and its host.
+  beating, so the error names the dead rank and its host;
+* a rank that has taken in the abort says so (``health/abort_seen/<rank>``),
+  and rank 0 -- which hosts the store under mpirun, srun and torchrun --
+  keeps it up at teardown until every live peer has (:meth:`Health.close`):
+  a peer whose watcher was slow to look must still learn why, not find the
+  store gone;
+* a store that stays unreachable (its host died) is itself a failure
+  (``store_lost``): a collective whose engine never reports a vanished peer
+  (MPI) must not wait for it forever.
 """
 
 from __future__ import annotations
@@ -29,11 +37,13 @@ import time
 from typing import Callable, Dict, List, Optional
 
 from . import deadlock
-from .errors import DeadlockError, StallError
+from .errors import DeadlockError, HvdlikeInternalError, StallError
 from .store_auth import StoreTamperedError
 from .log import logger
 
 MAX_NAMES = 8  # per report line; the rest is summarised as a count
+STORE_LOST_SECONDS = 5.0  # unreachable this long (and 5 intervals): its host is gone
+PEER_QUIET_SECONDS = 5.0  # rank 0 at an abort: a peer silent this long is not waited for
 
 
 class Health:
@@ -44,7 +54,8 @@ class Health:
                  on_abort: Callable[[BaseException], None],
                  members: Callable[[int], List[int]] = None,
                  blocked_since: Callable[[], Optional[float]] = lambda: None,
-                 joins: Callable[[], List[tuple]] = lambda: []):
+                 joins: Callable[[], List[tuple]] = lambda: [],
+                 store_lost: Optional[Callable[[BaseException], None]] = None):
         self.store = store
         self.rank = rank
         self.size = size
@@ -58,6 +69,8 @@ class Health:
         self._stuck_seen: Dict[int, tuple] = {}  # rank 0: rank -> (record id, since, our clock)
         self._waiting_since = waiting_since
         self._on_abort = on_abort
+        self._store_lost = store_lost or on_abort
+        self._failing_since: Optional[float] = None  # first of the current run of failed ticks
         self._members = members or (lambda set_id: list(range(size)))
         self._lock = threading.Lock()  # one store request at a time on this connection
         self._stop = threading.Event()
@@ -87,6 +100,37 @@ class Health:
                 self._store_op(lambda: self.store.set(f"health/bye/{self.rank}", "1"))
             except Exception:  # the store may already be gone at job end
                 pass
+        elif self.rank == 0 and self._aborted and not self._tampered:
+            self._await_abort_seen()
+
+    def _await_abort_seen(self, limit: float = 15.0) -> None:
+        """Rank 0 after an abort: wait (at most ``limit`` s) until every other rank
+        has taken the abort in, said goodbye, or stopped beating (it is dead and
+        will never look). Rank 0 often hosts the store, and closing it under a peer
+        whose watcher has not looked yet would leave that peer with no reason to
+        give -- or, under MPI, waiting for rank 0 forever."""
+        started = time.monotonic()
+        deadline = started + limit
+        quiet_after = max(PEER_QUIET_SECONDS, 5 * self.interval)
+        peers = set(range(self.size)) - {self.rank}
+        try:
+            beats = {r: (self._counters_of([r])[r], started) for r in peers}
+            while peers and time.monotonic() < deadline:
+                now = time.monotonic()
+                counts = self._counters_of(sorted(peers))
+                for r in sorted(peers):
+                    if counts[r] != beats[r][0]:
+                        beats[r] = (counts[r], now)
+                    if (self._read(f"health/abort_seen/{r}") is not None
+                            or self._read(f"health/bye/{r}") is not None
+                            or now - beats[r][1] > quiet_after):
+                        peers.discard(r)
+                if peers:
+                    time.sleep(min(0.05, self.interval))
+        except Exception as exc:  # the store is gone already: nothing left to wait for
+            logger.debug("not waiting for peers to see the abort: %s", exc)
+        if peers:
+            logger.debug("closing with rank(s) %s not having seen the abort", sorted(peers))
 
     # -- the watcher thread ----------------------------------------------------------
 
@@ -94,12 +138,30 @@ class Health:
         while not self._stop.wait(self.interval):
             try:
                 self._tick()
+                self._failing_since = None
             except StoreTamperedError as exc:  # fail closed: the record is not used
                 if not self._tampered:
                     self._tampered = self._aborted = True
                     self._on_abort(exc)
-            except Exception as exc:  # store gone: the failing collective will say so
-                logger.debug("health check skipped: %s", exc)
+            except Exception as exc:
+                if self._unreachable(exc):
+                    return
+
+    def _unreachable(self, exc: BaseException) -> bool:
+        """Count a failed tick; True once the store has been unreachable for long
+        enough that its host must be gone (then this watcher reports it and stops)."""
+        now = time.monotonic()
+        if self._failing_since is None:
+            self._failing_since = now
+        logger.debug("health check failed: %s", exc)
+        if now - self._failing_since < max(STORE_LOST_SECONDS, 5 * self.interval) \
+                or self._stop.is_set():
+            return False
+        self._store_lost(HvdlikeInternalError(
+            f"rank {self.rank}: the rendezvous store has been unreachable for "
+            f"{now - self._failing_since:.0f}s ({exc}); the launcher, or rank 0 if it "
+            f"hosted the store, is gone"))
+        return True
 
     def _tick(self) -> None:
         self._store_op(lambda: self.store.add(f"health/hb/{self.rank}", 1))
@@ -110,6 +172,8 @@ class Health:
             self._aborted = True
             kind = DeadlockError if message.startswith("deadlock:") else StallError
             self._on_abort(kind(message))
+            if self.rank != 0:  # rank 0 posted it; the others tell it they have it
+                self._store_op(lambda: self.store.set(f"health/abort_seen/{self.rank}", "1"))
         if self.rank == 0:
             self._inspect()
 
@@ -156,8 +220,11 @@ class Health:
         return self.hosts[rank]
 
     def _counters(self) -> Dict[int, int]:
+        return self._counters_of(range(self.size))
+
+    def _counters_of(self, ranks) -> Dict[int, int]:
         return {r: self._store_op(lambda r=r: self.store.add(f"health/hb/{r}", 0))
-                for r in range(self.size)}
+                for r in ranks}
 
     def _inspect(self) -> None:
         now = time.monotonic()

@@ -232,7 +232,8 @@ class Runtime:
             self.health = Health(health_store, topology.rank, topology.size,
                                  topology.hostname, cfg, self.sets.waiting_since,
                                  self._set_fatal, self.sets.members,
-                                 self.waits.blocked_since, self.sets.joins)
+                                 self.waits.blocked_since, self.sets.joins,
+                                 store_lost=self._store_lost)
         self.sets.start()
         self.recording.start()
         if topology.rank == 0:
@@ -664,6 +665,13 @@ class Runtime:
         if self.fatal is None:
             self.fatal = error
             logger.error("%s", error)
+
+    def _store_lost(self, error: BaseException) -> None:
+        """The health watcher lost the store for good. Once every rank has agreed
+        to stop, the store's host may rightly be gone already; before that it is
+        the job failing (and under MPI the only news a waiting rank will get)."""
+        if not (self._stopping or self._agreed_stop):
+            self._set_fatal(error)
 
     def _explain(self, error: BaseException) -> BaseException:
         """Turn a transport failure into the job's fatal error, naming dead peers."""

@@ -311,3 +311,31 @@ def test_stall_shutdown_ends_an_mpi_job_on_every_rank():
     for kind, text in results:
         assert kind == "StallError"
         assert "only.on.rank0" in text and "missing rank(s) 1" in text
+
+
+def _mismatched_names_slow_watcher():
+    import time
+
+    from hvdlike.core import health
+
+    original = health.Health._tick
+
+    def slow_tick(self):  # rank 1's watcher is late, as on a loaded host
+        if self.rank == 1 and not getattr(self, "_was_late", False) and \
+                self._store_op(lambda: self.store.check(["health/abort"])):
+            self._was_late = True
+            time.sleep(3)
+        original(self)
+
+    health.Health._tick = slow_tick
+    return _mismatched_names()
+
+
+def test_stall_shutdown_reaches_a_rank_whose_watcher_is_late():
+    # rank 0 hosts the store under mpirun: it must not take it away before rank 1
+    # has read why the job ends (rank 1 would otherwise wait on MPI for ever)
+    env = {"HVDLIKE_STALL_CHECK_TIME_SECONDS": "1", "HVDLIKE_STALL_SHUTDOWN_TIME_SECONDS": "2"}
+    results = run_mpirun(_mismatched_names_slow_watcher, np=2, env=env, timeout=60)
+    for kind, text in results:
+        assert kind == "StallError"
+        assert "only.on.rank0" in text and "missing rank(s) 1" in text

@@ -1,0 +1,114 @@
+"""The health watcher against a real TCPStore whose host goes away (no ranks)."""
+
+import socket
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+from torch.distributed import TCPStore
+
+from hvdlike.core import config, health
+from hvdlike.core.errors import HvdlikeInternalError, StallError
+
+
+def _port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _client(port):
+    return TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=5))
+
+
+class Watcher:
+    """One rank's Health with what it reported collected."""
+
+    def __init__(self, store, rank, size, stall_check=1):
+        self.aborts, self.lost = [], []
+        self.got = threading.Event()
+        cfg = config.load({}, stall_check_time_seconds=stall_check)
+        self.health = health.Health(store, rank, size, "host", cfg, lambda: {},
+                                    self._abort, store_lost=self._lost)
+
+    def _abort(self, exc):
+        self.aborts.append(exc)
+        self.got.set()
+
+    def _lost(self, exc):
+        self.lost.append(exc)
+        self.got.set()
+
+
+def test_a_store_that_goes_away_is_reported_once_and_the_watcher_stops(monkeypatch):
+    monkeypatch.setattr(health, "STORE_LOST_SECONDS", 1.0)
+    port = _port()
+    host = TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=5))
+    w = Watcher(_client(port), rank=1, size=2)
+    try:
+        time.sleep(0.6)
+        assert host.add("health/hb/1", 0) >= 1  # it beats while the store is up
+        assert not w.got.is_set()
+        del host  # the store's host dies
+        assert w.got.wait(20), "the lost store was never reported"
+        w.health._thread.join(5)
+        assert not w.health._thread.is_alive()  # reported once, then the watcher stops
+        assert w.aborts == [] and len(w.lost) == 1
+        assert isinstance(w.lost[0], HvdlikeInternalError)
+        text = str(w.lost[0])
+        assert text.startswith("rank 1: the rendezvous store has been unreachable for ")
+        assert "rank 0 if it hosted the store, is gone" in text
+    finally:
+        w.health.close(clean=False)
+
+
+def test_a_short_outage_is_not_a_lost_store(monkeypatch):
+    monkeypatch.setattr(health, "STORE_LOST_SECONDS", 30.0)
+    port = _port()
+    host = TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=5))
+    w = Watcher(_client(port), rank=1, size=2)
+    try:
+        del host
+        time.sleep(1.5)  # several failed ticks, well inside the limit
+        assert w.lost == [] and w.health._thread.is_alive()
+    finally:
+        w.health.close(clean=False)
+
+
+def test_rank0_keeps_the_store_until_a_slow_peer_has_seen_the_abort():
+    port = _port()
+    host = TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=5))
+    r0 = Watcher(_client(port), rank=0, size=2, stall_check=1)   # looks every 0.25 s
+    r1 = Watcher(_client(port), rank=1, size=2, stall_check=8)   # looks every 1 s
+    try:
+        host.set("health/abort", "stalled for 2s; shutting down every rank.")
+        assert r0.got.wait(10)
+        assert isinstance(r0.aborts[0], StallError)
+        r0.health.close(clean=False)  # rank 0's teardown: waits for rank 1 to look
+        assert host.check(["health/abort_seen/1"]), "rank 0 closed before rank 1 saw the abort"
+        assert r1.got.is_set() and isinstance(r1.aborts[0], StallError)
+        assert not host.check(["health/abort_seen/0"])  # rank 0 posted it: no receipt
+    finally:
+        r1.health.close(clean=False)
+        r0.health.close(clean=False)
+
+
+def test_rank0_does_not_wait_for_a_dead_peer():
+    port = _port()
+    host = TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=5))
+    r0 = Watcher(_client(port), rank=0, size=3, stall_check=1)
+    r2 = Watcher(_client(port), rank=2, size=3, stall_check=1)  # alive; rank 1 never beats
+    try:
+        host.set("health/abort", "stalled for 2s; shutting down every rank.")
+        assert r0.got.wait(10)
+        started = time.monotonic()
+        r0.health.close(clean=False)
+        waited = time.monotonic() - started
+        assert host.check(["health/abort_seen/2"])
+        assert not host.check(["health/abort_seen/1"])
+        # rank 1's heartbeat never moved: given up after the quiet limit, not the 15 s cap
+        assert waited < 12, f"rank 0 waited {waited:.1f}s for a dead peer"
+    finally:
+        r2.health.close(clean=False)
+        r0.health.close(clean=False)
