@@ -70,7 +70,7 @@ class ProcessSetState:
         controller_engine, cpu_engine = parts.engines
         self.groups = Groups(dist.PrefixStore(f"ps{set_id}/", parts.store), self.rank,
                              self.size, parts.cfg.gloo_timeout_seconds, parts.local_addr,
-                             gloo_control=controller_engine == "gloo")
+                             gloo_control=controller_engine == "gloo", abandon=parts.abandon)
         try:
             control = (GlooControlPlane(self.groups.control, self.rank, self.size)
                        if controller_engine == "gloo" else None)

@@ -10,6 +10,12 @@ touched:
   tensors (created lazily on first use, at the same point on every rank
   because responses execute in the same order everywhere).
 
+A group created lazily is entered only once every member has arrived at it
+(:func:`_arrive`, polling the store): a group's own rendezvous cannot be given
+up and, with no sockets yet, does not notice a peer that has gone -- a rank
+that agreed on a collective just as the job failed would otherwise wait for
+the whole timeout.
+
 The executor talks to :class:`DataPlane` only through ``group_for(device)``;
 the same executor code drives Gloo and NCCL.
 """
@@ -18,7 +24,8 @@ from __future__ import annotations
 
 import datetime
 import threading
-from typing import Dict, List, Optional, Sequence
+import time
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -40,6 +47,31 @@ def _gloo_group(store, rank: int, size: int, timeout: datetime.timedelta, local_
     return dist.ProcessGroupGloo(store, rank, size, timeout)
 
 
+def _arrive(store, rank: int, size: int, timeout: datetime.timedelta,
+            abandon: Callable[[], Optional[BaseException]], what: str) -> None:
+    """Wait until all ``size`` members have come to create the group under ``store``.
+
+    Raises when ``abandon()`` reports that the job has failed (the peers may
+    never come) or when ``timeout`` passes, naming the members still missing.
+    """
+    store.set(f"arrived/{rank}", "1")
+    keys = [f"arrived/{r}" for r in range(size)]
+    deadline = time.monotonic() + timeout.total_seconds()
+    nap = 0.001
+    while not store.check(keys):
+        error = abandon()
+        if error is not None:
+            raise HvdlikeInternalError(
+                f"gave up creating the {what} group, the job has failed: {error}") from None
+        if time.monotonic() >= deadline:
+            missing = [r for r in range(size) if not store.check([f"arrived/{r}"])]
+            raise HvdlikeInternalError(
+                f"the {what} group was not created within {timeout.total_seconds():g}s: "
+                f"member(s) {missing} of its {size} never came to create it")
+        time.sleep(nap)
+        nap = min(nap * 2, 0.02)
+
+
 def _nccl_group(store, rank: int, size: int, timeout: datetime.timedelta):
     if not dist.is_nccl_available():
         raise HvdlikeInternalError("a CUDA tensor was submitted but this torch has no NCCL")
@@ -52,8 +84,10 @@ class Groups:
     """Creates and owns the process groups of one process set."""
 
     def __init__(self, store, rank: int, size: int, timeout_seconds: float, local_addr: str = "",
-                 gloo_control: bool = True):
+                 gloo_control: bool = True,
+                 abandon: Callable[[], Optional[BaseException]] = lambda: None):
         self.store = store
+        self.abandon = abandon  # the runtime's fatal error, if any (see _arrive)
         self.rank = rank
         self.size = size
         self.timeout = datetime.timedelta(seconds=timeout_seconds)
@@ -79,6 +113,9 @@ class Groups:
             group = self._data.get(device_type)
             if group is None:
                 prefix = dist.PrefixStore(f"data-{device_type}/", self.store)
+                if self.size > 1:
+                    _arrive(prefix, self.rank, self.size, self.timeout, self.abandon,
+                            f"{device_type} data")
                 if device_type == "cuda":
                     group = _nccl_group(prefix, self.rank, self.size, self.timeout)
                 else:
@@ -89,8 +126,10 @@ class Groups:
 
     def subgroup(self, prefix: str, rank: int, size: int):
         """A Gloo group of some members only (collective over them), under ``prefix``."""
-        return _gloo_group(dist.PrefixStore(prefix, self.store), rank, size, self.timeout,
-                           self.local_addr)
+        store = dist.PrefixStore(prefix, self.store)
+        if size > 1:
+            _arrive(store, rank, size, self.timeout, self.abandon, f"{prefix!r}")
+        return _gloo_group(store, rank, size, self.timeout, self.local_addr)
 
     def close(self) -> None:
         for group in [self.control, self.cpu_plane, *self._data.values()]:

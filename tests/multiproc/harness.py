@@ -32,7 +32,25 @@ class RankFailure(AssertionError):
         self.outputs = outputs
 
 
-def _kill_all(procs: Sequence[subprocess.Popen]) -> None:
+def describe(codes: Sequence[Optional[int]], outputs: Dict[int, str], tail: int = 6000) -> str:
+    """Every rank's exit code and the end of its log, for an assertion message."""
+    return "\n".join(f"--- rank {r} (exit {codes[r]}) ---\n{outputs[r][-tail:]}" for r in outputs)
+
+
+def _kill_all(procs: Sequence[subprocess.Popen], dump: bool = False) -> None:
+    """Kill every process still running (with its session).
+
+    With ``dump``, each is first asked for its threads' stacks (the worker
+    registers SIGUSR2 with faulthandler), so a hang's log says where it hung.
+    """
+    running = [proc for proc in procs if proc.poll() is None]
+    if dump and running:
+        for proc in running:
+            try:
+                os.kill(proc.pid, signal.SIGUSR2)
+            except ProcessLookupError:
+                pass
+        time.sleep(1.0)
     for proc in procs:
         if proc.poll() is None:
             try:
@@ -115,7 +133,7 @@ def run_ranks(fn: Callable, np: int = 2, args: Sequence[Any] = (), env: Optional
                 time.sleep(0.02)
             timed_out = any(p.poll() is None for p in procs)
         finally:
-            _kill_all(procs)
+            _kill_all(procs, dump=True)
         outputs = {}
         for rank, log in enumerate(logs):
             log.seek(0)

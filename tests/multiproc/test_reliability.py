@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from tests.multiproc.harness import run_ranks
+from tests.multiproc.harness import describe, run_ranks
 
 
 def _killed_mid_training(repeat):
@@ -70,7 +70,7 @@ def _stall_then_recover():
 def test_stall_warning_names_tensor_and_missing_rank():
     env = {"HVDLIKE_STALL_CHECK_TIME_SECONDS": "1"}
     codes, outputs = run_ranks(_stall_then_recover, np=2, env=env, expect_failure=True)
-    assert codes == [0, 0], outputs
+    assert codes == [0, 0], describe(codes, outputs)
     assert "stall" in outputs[0] and "'late'" in outputs[0], outputs[0]
     assert "missing rank(s) 1" in outputs[0], outputs[0]
 
@@ -140,7 +140,7 @@ def test_stopped_rank_is_named_and_everyone_raises(shm):
     else:
         # A shared-memory wait gives up on the stall abort itself (at 4 s).
         assert "missing rank(s) 1 (" in outputs[0] and "shutting down every rank" in outputs[0]
-    assert codes == [0, 0], outputs
+    assert codes == [0, 0], describe(codes, outputs)
 
 
 def _shutdown_with_pending():
@@ -235,7 +235,7 @@ def _stall_in_process_set():
 def test_stall_in_process_set_names_only_its_members():
     env = {"HVDLIKE_STALL_CHECK_TIME_SECONDS": "1"}
     codes, outputs = run_ranks(_stall_in_process_set, np=3, env=env, expect_failure=True)
-    assert codes == [0, 0, 0], outputs
+    assert codes == [0, 0, 0], describe(codes, outputs)
     assert "'sub' (process set 1)" in outputs[0], outputs[0]
     assert "missing rank(s) 2 (" in outputs[0] and "missing rank(s) 1" not in outputs[0]
 
@@ -265,7 +265,7 @@ def _peer_raises():
 
 def test_peer_error_quotes_the_uncaught_exception_of_the_rank_that_left():
     codes, outputs = run_ranks(_peer_raises, np=2, expect_failure=True, timeout=60)
-    assert codes == [0, 1], outputs
+    assert codes == [0, 1], describe(codes, outputs)
     assert "ValueError: shard 1 is corrupt" in outputs[1]
     text = outputs[0]
     assert "rank 1 on" in text and "exited with an uncaught ValueError: shard 1 is corrupt" in text

@@ -1,6 +1,8 @@
 """Entry point of one test rank: load the pickled function, run it, store the result."""
 
+import faulthandler
 import os
+import signal
 import sys
 import traceback
 
@@ -10,6 +12,9 @@ import torch
 
 def main() -> int:
     torch.set_num_threads(1)
+    # The harness sends this before killing a rank that overran its deadline:
+    # every thread's stack then lands in the rank's log, showing where it hung.
+    faulthandler.register(signal.SIGUSR2, all_threads=True)
     payload, result_path = sys.argv[1], sys.argv[2]
     # Under mpirun every rank gets the same arguments: the path names its rank.
     rank = os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", ""))

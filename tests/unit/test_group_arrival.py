@@ -1,0 +1,71 @@
+"""Lazily created groups wait for every member through the store, and can give up."""
+
+import datetime
+import socket
+import threading
+import time
+
+import pytest
+import torch
+from torch.distributed import TCPStore
+
+from hvdlike.core.errors import HvdlikeInternalError
+from hvdlike.core.transport import Groups, _arrive
+
+
+def _store():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=10))
+
+
+def _client(host):
+    return TCPStore("127.0.0.1", host.port, is_master=False,
+                    timeout=datetime.timedelta(seconds=10))
+
+
+def test_a_lone_member_gives_up_when_the_job_fails():
+    # Rank 1 agreed on its set's first CPU collective just as the job failed; rank 0 never
+    # comes to create the data group. Without the arrival step Gloo's own rendezvous would
+    # hold rank 1 for the whole (here 60 s) timeout.
+    store = _store()
+    fatal = []
+    groups = Groups(store, rank=1, size=2, timeout_seconds=60, gloo_control=False,
+                    abandon=lambda: fatal[0] if fatal else None)
+    threading.Timer(0.5, lambda: fatal.append(RuntimeError("stalled for 4s"))).start()
+    started = time.monotonic()
+    with pytest.raises(HvdlikeInternalError) as err:
+        groups.torch_group("cpu")
+    assert time.monotonic() - started < 30  # gave up on the failure, not on the timeout
+    assert str(err.value) == ("gave up creating the cpu data group, the job has failed: "
+                              "stalled for 4s")
+    assert groups._data == {}  # nothing half-made is kept
+
+
+def test_a_member_that_never_comes_is_named_at_the_timeout():
+    store = _store()
+    with pytest.raises(HvdlikeInternalError) as err:
+        _arrive(store, 0, 3, datetime.timedelta(seconds=0.3), lambda: None, "cpu data")
+    assert str(err.value) == ("the cpu data group was not created within 0.3s: "
+                              "member(s) [1, 2] of its 3 never came to create it")
+
+
+def test_members_that_all_come_get_a_working_group():
+    host = _store()
+    results = [None, None]
+
+    def member(rank):  # each member on its own connection, as in separate processes
+        groups = Groups(_client(host), rank, 2, timeout_seconds=30, local_addr="127.0.0.1",
+                        gloo_control=False)
+        t = torch.tensor([float(rank + 1)])
+        groups.torch_group("cpu").allreduce([t]).wait()
+        results[rank] = t.item()
+        groups.close()
+
+    threads = [threading.Thread(target=member, args=(r,)) for r in (1, 0)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert results == [3.0, 3.0]
