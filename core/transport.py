@@ -49,27 +49,49 @@ def _gloo_group(store, rank: int, size: int, timeout: datetime.timedelta, local_
 
 def _arrive(store, rank: int, size: int, timeout: datetime.timedelta,
             abandon: Callable[[], Optional[BaseException]], what: str) -> None:
-    """Wait until all ``size`` members have come to create the group under ``store``.
+    """Return once all ``size`` members have come to create the group under ``store``.
 
     Raises when ``abandon()`` reports that the job has failed (the peers may
     never come) or when ``timeout`` passes, naming the members still missing.
+    Whether the group is made is one decision for all: the first member to
+    claim it (an atomic counter) writes "go" once everyone has arrived, or
+    "stop" when it gives up. A member that wanted to give up but finds "go"
+    enters after all -- the others are already entering and need it.
     """
     store.set(f"arrived/{rank}", "1")
     keys = [f"arrived/{r}" for r in range(size)]
     deadline = time.monotonic() + timeout.total_seconds()
     nap = 0.001
-    while not store.check(keys):
-        error = abandon()
-        if error is not None:
-            raise HvdlikeInternalError(
-                f"gave up creating the {what} group, the job has failed: {error}") from None
-        if time.monotonic() >= deadline:
-            missing = [r for r in range(size) if not store.check([f"arrived/{r}"])]
-            raise HvdlikeInternalError(
-                f"the {what} group was not created within {timeout.total_seconds():g}s: "
-                f"member(s) {missing} of its {size} never came to create it")
+    why = None
+    while True:
+        if store.check(["verdict"]):
+            break
+        everyone = store.check(keys)
+        if not everyone:
+            error = abandon()
+            if error is not None:
+                why = f"gave up creating the {what} group, the job has failed: {error}"
+            elif time.monotonic() >= deadline:
+                missing = [r for r in range(size) if not store.check([f"arrived/{r}"])]
+                why = (f"the {what} group was not created within "
+                       f"{timeout.total_seconds():g}s: member(s) {missing} of its {size} "
+                       f"never came to create it")
+        if everyone or why is not None:
+            if store.add("decider", 1) == 1:
+                store.set("verdict", "stop" if why is not None else "go")
+            break
         time.sleep(nap)
         nap = min(nap * 2, 0.02)
+    # Whoever claimed the decision writes it next; wait for it (bounded).
+    while not store.check(["verdict"]):
+        if time.monotonic() >= deadline + timeout.total_seconds():
+            raise HvdlikeInternalError(f"no decision on creating the {what} group: the "
+                                       f"member that took it never wrote it")
+        time.sleep(0.005)
+    if bytes(store.get("verdict")) == b"go":
+        return
+    raise HvdlikeInternalError(why or f"gave up creating the {what} group: another "
+                               f"member gave up (the job has failed or a member never came)")
 
 
 def _nccl_group(store, rank: int, size: int, timeout: datetime.timedelta):

@@ -69,3 +69,45 @@ def test_members_that_all_come_get_a_working_group():
     for t in threads:
         t.join(60)
     assert results == [3.0, 3.0]
+
+
+def test_a_member_that_came_and_gave_up_is_not_waited_for():
+    # Rank 0 reached the group first and gave up (its job had failed); rank 1 comes
+    # later. Rank 1 must not enter Gloo's rendezvous, where rank 0 will never be.
+    host = _store()
+    failed = RuntimeError("stalled for 4s")
+    with pytest.raises(HvdlikeInternalError) as first:
+        Groups(_client(host), 0, 2, timeout_seconds=60, local_addr="127.0.0.1",
+               gloo_control=False, abandon=lambda: failed).torch_group("cpu")
+    assert str(first.value).endswith("the job has failed: stalled for 4s")
+    started = time.monotonic()
+    with pytest.raises(HvdlikeInternalError) as second:
+        Groups(_client(host), 1, 2, timeout_seconds=60, local_addr="127.0.0.1",
+               gloo_control=False).torch_group("cpu")
+    assert time.monotonic() - started < 30
+    assert "another member gave up" in str(second.value)
+
+
+def test_a_failing_member_still_enters_once_everyone_has_come():
+    # Once all members have arrived the others are entering the group: a member whose
+    # job failed meanwhile enters too, rather than leave them in the rendezvous.
+    host = _store()
+    failed = RuntimeError("stalled")
+    results = [None, None]
+
+    def member(rank, abandon):
+        groups = Groups(_client(host), rank, 2, timeout_seconds=30, local_addr="127.0.0.1",
+                        gloo_control=False, abandon=abandon)
+        t = torch.tensor([1.0])
+        groups.torch_group("cpu").allreduce([t]).wait()
+        results[rank] = t.item()
+        groups.close()
+
+    first = threading.Thread(target=member, args=(0, lambda: None))
+    first.start()
+    time.sleep(0.3)  # rank 0 is waiting at the gate when rank 1, already failed, comes
+    second = threading.Thread(target=member, args=(1, lambda: failed))
+    second.start()
+    first.join(60)
+    second.join(60)
+    assert results == [2.0, 2.0]
