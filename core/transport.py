@@ -116,6 +116,10 @@ class Groups:
         self.local_addr = local_addr
         self._lock = threading.Lock()
         self._data: Dict[str, object] = {}
+        # Set by close(). The background thread's teardown may close the groups
+        # while a user thread still executes a cycle; that thread must then
+        # fail, not make a group afresh under the keys of the first one.
+        self._closed = False
         # None when negotiation runs on MPI (see mpi_plane.py).
         self.control = _gloo_group(dist.PrefixStore("control/", store), rank, size,
                                    self.timeout, local_addr) if gloo_control else None
@@ -134,6 +138,7 @@ class Groups:
         with self._lock:
             group = self._data.get(device_type)
             if group is None:
+                self._refuse_if_closed(f"{device_type} data")
                 prefix = dist.PrefixStore(f"data-{device_type}/", self.store)
                 if self.size > 1:
                     _arrive(prefix, self.rank, self.size, self.timeout, self.abandon,
@@ -148,12 +153,21 @@ class Groups:
 
     def subgroup(self, prefix: str, rank: int, size: int):
         """A Gloo group of some members only (collective over them), under ``prefix``."""
+        self._refuse_if_closed(repr(prefix))
         store = dist.PrefixStore(prefix, self.store)
         if size > 1:
             _arrive(store, rank, size, self.timeout, self.abandon, f"{prefix!r}")
         return _gloo_group(store, rank, size, self.timeout, self.local_addr)
 
+    def _refuse_if_closed(self, what: str) -> None:
+        if self._closed:
+            raise HvdlikeInternalError(f"the {what} group cannot be created: this process "
+                                       f"set's groups are closed (hvdlike has shut down or "
+                                       f"the job has failed)")
+
     def close(self) -> None:
+        with self._lock:
+            self._closed = True
         for group in [self.control, self.cpu_plane, *self._data.values()]:
             if group is None:
                 continue

@@ -111,3 +111,14 @@ def test_a_failing_member_still_enters_once_everyone_has_come():
     first.join(60)
     second.join(60)
     assert results == [2.0, 2.0]
+
+
+def test_closed_groups_refuse_to_make_a_group_again():
+    # The teardown closed the set's groups while a user thread still ran a cycle: that
+    # thread must fail at once, not rendezvous afresh under the first group's keys.
+    groups = Groups(_store(), 0, 2, timeout_seconds=60, gloo_control=False)
+    groups.close()
+    for make in (lambda: groups.torch_group("cpu"), lambda: groups.subgroup("x/", 0, 2)):
+        with pytest.raises(HvdlikeInternalError) as err:
+            make()
+        assert "cannot be created: this process set's groups are closed" in str(err.value)
