@@ -114,7 +114,7 @@ class Health:
         quiet_after = max(PEER_QUIET_SECONDS, 5 * self.interval)
         peers = set(range(self.size)) - {self.rank}
         try:
-            beats = {r: (self._counters_of([r])[r], started) for r in peers}
+            beats = {r: (count, started) for r, count in self._counters_of(sorted(peers)).items()}
             while peers and time.monotonic() < deadline:
                 now = time.monotonic()
                 counts = self._counters_of(sorted(peers))

@@ -305,14 +305,6 @@ def _mismatched_names():
     return None
 
 
-def test_stall_shutdown_ends_an_mpi_job_on_every_rank():
-    env = {"HVDLIKE_STALL_CHECK_TIME_SECONDS": "1", "HVDLIKE_STALL_SHUTDOWN_TIME_SECONDS": "2"}
-    results = run_mpirun(_mismatched_names, np=2, env=env, timeout=90)
-    for kind, text in results:
-        assert kind == "StallError"
-        assert "only.on.rank0" in text and "missing rank(s) 1" in text
-
-
 def _mismatched_names_slow_watcher():
     import time
 
@@ -331,11 +323,14 @@ def _mismatched_names_slow_watcher():
     return _mismatched_names()
 
 
-def test_stall_shutdown_reaches_a_rank_whose_watcher_is_late():
-    # rank 0 hosts the store under mpirun: it must not take it away before rank 1
-    # has read why the job ends (rank 1 would otherwise wait on MPI for ever)
+@pytest.mark.parametrize("fn", [_mismatched_names, _mismatched_names_slow_watcher],
+                         ids=["watchers-prompt", "rank1-watcher-late"])
+def test_stall_shutdown_ends_an_mpi_job_on_every_rank(fn):
+    # With rank 1's watcher late, rank 0 (which hosts the store under mpirun) must not
+    # take the store away before rank 1 has read why the job ends: rank 1 would
+    # otherwise wait on MPI for ever.
     env = {"HVDLIKE_STALL_CHECK_TIME_SECONDS": "1", "HVDLIKE_STALL_SHUTDOWN_TIME_SECONDS": "2"}
-    results = run_mpirun(_mismatched_names_slow_watcher, np=2, env=env, timeout=60)
+    results = run_mpirun(fn, np=2, env=env, timeout=90)
     for kind, text in results:
         assert kind == "StallError"
         assert "only.on.rank0" in text and "missing rank(s) 1" in text

@@ -1,35 +1,22 @@
 """Lazily created groups wait for every member through the store, and can give up."""
 
 import datetime
-import socket
 import threading
 import time
 
 import pytest
 import torch
-from torch.distributed import TCPStore
 
 from hvdlike.core.errors import HvdlikeInternalError
 from hvdlike.core.transport import Groups, _arrive
-
-
-def _store():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=10))
-
-
-def _client(host):
-    return TCPStore("127.0.0.1", host.port, is_master=False,
-                    timeout=datetime.timedelta(seconds=10))
+from tests.local_store import client, host_store
 
 
 def test_a_lone_member_gives_up_when_the_job_fails():
     # Rank 1 agreed on its set's first CPU collective just as the job failed; rank 0 never
     # comes to create the data group. Without the arrival step Gloo's own rendezvous would
     # hold rank 1 for the whole (here 60 s) timeout.
-    store = _store()
+    store = host_store()
     fatal = []
     groups = Groups(store, rank=1, size=2, timeout_seconds=60, gloo_control=False,
                     abandon=lambda: fatal[0] if fatal else None)
@@ -44,7 +31,7 @@ def test_a_lone_member_gives_up_when_the_job_fails():
 
 
 def test_a_member_that_never_comes_is_named_at_the_timeout():
-    store = _store()
+    store = host_store()
     with pytest.raises(HvdlikeInternalError) as err:
         _arrive(store, 0, 3, datetime.timedelta(seconds=0.3), lambda: None, "cpu data")
     assert str(err.value) == ("the cpu data group was not created within 0.3s: "
@@ -52,11 +39,11 @@ def test_a_member_that_never_comes_is_named_at_the_timeout():
 
 
 def test_members_that_all_come_get_a_working_group():
-    host = _store()
+    host = host_store()
     results = [None, None]
 
     def member(rank):  # each member on its own connection, as in separate processes
-        groups = Groups(_client(host), rank, 2, timeout_seconds=30, local_addr="127.0.0.1",
+        groups = Groups(client(host), rank, 2, timeout_seconds=30, local_addr="127.0.0.1",
                         gloo_control=False)
         t = torch.tensor([float(rank + 1)])
         groups.torch_group("cpu").allreduce([t]).wait()
@@ -74,15 +61,15 @@ def test_members_that_all_come_get_a_working_group():
 def test_a_member_that_came_and_gave_up_is_not_waited_for():
     # Rank 0 reached the group first and gave up (its job had failed); rank 1 comes
     # later. Rank 1 must not enter Gloo's rendezvous, where rank 0 will never be.
-    host = _store()
+    host = host_store()
     failed = RuntimeError("stalled for 4s")
     with pytest.raises(HvdlikeInternalError) as first:
-        Groups(_client(host), 0, 2, timeout_seconds=60, local_addr="127.0.0.1",
+        Groups(client(host), 0, 2, timeout_seconds=60, local_addr="127.0.0.1",
                gloo_control=False, abandon=lambda: failed).torch_group("cpu")
     assert str(first.value).endswith("the job has failed: stalled for 4s")
     started = time.monotonic()
     with pytest.raises(HvdlikeInternalError) as second:
-        Groups(_client(host), 1, 2, timeout_seconds=60, local_addr="127.0.0.1",
+        Groups(client(host), 1, 2, timeout_seconds=60, local_addr="127.0.0.1",
                gloo_control=False).torch_group("cpu")
     assert time.monotonic() - started < 30
     assert "another member gave up" in str(second.value)
@@ -91,12 +78,12 @@ def test_a_member_that_came_and_gave_up_is_not_waited_for():
 def test_a_failing_member_still_enters_once_everyone_has_come():
     # Once all members have arrived the others are entering the group: a member whose
     # job failed meanwhile enters too, rather than leave them in the rendezvous.
-    host = _store()
+    host = host_store()
     failed = RuntimeError("stalled")
     results = [None, None]
 
     def member(rank, abandon):
-        groups = Groups(_client(host), rank, 2, timeout_seconds=30, local_addr="127.0.0.1",
+        groups = Groups(client(host), rank, 2, timeout_seconds=30, local_addr="127.0.0.1",
                         gloo_control=False, abandon=abandon)
         t = torch.tensor([1.0])
         groups.torch_group("cpu").allreduce([t]).wait()
@@ -116,7 +103,7 @@ def test_a_failing_member_still_enters_once_everyone_has_come():
 def test_closed_groups_refuse_to_make_a_group_again():
     # The teardown closed the set's groups while a user thread still ran a cycle: that
     # thread must fail at once, not rendezvous afresh under the first group's keys.
-    groups = Groups(_store(), 0, 2, timeout_seconds=60, gloo_control=False)
+    groups = Groups(host_store(), 0, 2, timeout_seconds=60, gloo_control=False)
     groups.close()
     for make in (lambda: groups.torch_group("cpu"), lambda: groups.subgroup("x/", 0, 2)):
         with pytest.raises(HvdlikeInternalError) as err:

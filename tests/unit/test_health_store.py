@@ -1,25 +1,11 @@
 """The health watcher against a real TCPStore whose host goes away (no ranks)."""
 
-import socket
 import threading
 import time
-from datetime import timedelta
-
-import pytest
-from torch.distributed import TCPStore
 
 from hvdlike.core import config, health
 from hvdlike.core.errors import HvdlikeInternalError, StallError
-
-
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _client(port):
-    return TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=5))
+from tests.local_store import client, host_store
 
 
 class Watcher:
@@ -43,9 +29,8 @@ class Watcher:
 
 def test_a_store_that_goes_away_is_reported_once_and_the_watcher_stops(monkeypatch):
     monkeypatch.setattr(health, "STORE_LOST_SECONDS", 1.0)
-    port = _port()
-    host = TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=5))
-    w = Watcher(_client(port), rank=1, size=2)
+    host = host_store(timeout=5)
+    w = Watcher(client(host, timeout=5), rank=1, size=2)
     try:
         time.sleep(0.6)
         assert host.add("health/hb/1", 0) >= 1  # it beats while the store is up
@@ -65,9 +50,8 @@ def test_a_store_that_goes_away_is_reported_once_and_the_watcher_stops(monkeypat
 
 def test_a_short_outage_is_not_a_lost_store(monkeypatch):
     monkeypatch.setattr(health, "STORE_LOST_SECONDS", 30.0)
-    port = _port()
-    host = TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=5))
-    w = Watcher(_client(port), rank=1, size=2)
+    host = host_store(timeout=5)
+    w = Watcher(client(host, timeout=5), rank=1, size=2)
     try:
         del host
         time.sleep(1.5)  # several failed ticks, well inside the limit
@@ -77,10 +61,9 @@ def test_a_short_outage_is_not_a_lost_store(monkeypatch):
 
 
 def test_rank0_keeps_the_store_until_a_slow_peer_has_seen_the_abort():
-    port = _port()
-    host = TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=5))
-    r0 = Watcher(_client(port), rank=0, size=2, stall_check=1)   # looks every 0.25 s
-    r1 = Watcher(_client(port), rank=1, size=2, stall_check=8)   # looks every 1 s
+    host = host_store(timeout=5)
+    r0 = Watcher(client(host, timeout=5), rank=0, size=2, stall_check=1)   # looks every 0.25 s
+    r1 = Watcher(client(host, timeout=5), rank=1, size=2, stall_check=8)   # looks every 1 s
     try:
         host.set("health/abort", "stalled for 2s; shutting down every rank.")
         assert r0.got.wait(10)
@@ -95,10 +78,9 @@ def test_rank0_keeps_the_store_until_a_slow_peer_has_seen_the_abort():
 
 
 def test_rank0_does_not_wait_for_a_dead_peer():
-    port = _port()
-    host = TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=5))
-    r0 = Watcher(_client(port), rank=0, size=3, stall_check=1)
-    r2 = Watcher(_client(port), rank=2, size=3, stall_check=1)  # alive; rank 1 never beats
+    host = host_store(timeout=5)
+    r0 = Watcher(client(host, timeout=5), rank=0, size=3, stall_check=1)
+    r2 = Watcher(client(host, timeout=5), rank=2, size=3, stall_check=1)  # alive; rank 1 never beats
     try:
         host.set("health/abort", "stalled for 2s; shutting down every rank.")
         assert r0.got.wait(10)
