@@ -34,7 +34,7 @@ import json
 import os
 import threading
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence
 
 from . import deadlock
 from .errors import DeadlockError, HvdlikeInternalError, StallError
@@ -381,6 +381,38 @@ class Health:
                 host = "unknown host"
             parts.append(f"rank {r} on {host} {words[r] or 'died or stopped responding'}")
         return "; ".join(parts)
+
+    def watch(self) -> Callable[[Sequence[int]], str]:
+        """A probe for one wait on other ranks (see :mod:`.store_wait`).
+
+        ``probe(ranks)`` names those of ``ranks`` that are gone: they left word
+        in the store, or their heartbeat has not moved for ``PEER_QUIET_SECONDS``
+        (and 5 intervals) since the probe first looked. '' while all look alive.
+        """
+        quiet_after = max(PEER_QUIET_SECONDS, 5 * self.interval)
+        beats: Dict[int, tuple] = {}  # rank -> (counter, when it was last seen to move)
+
+        def probe(ranks: Sequence[int]) -> str:
+            now = time.monotonic()
+            try:
+                counts = self._counters_of(ranks)
+                words = {r: self._word(r) for r in ranks}
+            except StoreTamperedError as exc:
+                return str(exc)
+            except Exception:  # the store is unreachable: the lost-store check reports it
+                return ""
+            gone = []
+            for r in ranks:
+                if beats.get(r, (None,))[0] != counts[r]:
+                    beats[r] = (counts[r], now)
+                if words[r] is not None:
+                    gone.append(f"rank {r} on {self.host(r)} {words[r]}")
+                elif now - beats[r][1] > quiet_after:
+                    gone.append(f"rank {r} on {self.host(r)} died or stopped responding (no "
+                                f"heartbeat for {now - beats[r][1]:.0f}s)")
+            return "; ".join(gone)
+
+        return probe
 
     def _word(self, rank: int) -> Optional[str]:
         """What ``rank`` (or the launcher, for it) left in the store about its end, if anything."""

@@ -26,7 +26,7 @@ import threading
 import time
 from typing import Dict, List, Mapping, Optional, Sequence
 
-from . import autotune, bootstrap, config as config_mod, generation_keys
+from . import autotune, bootstrap, config as config_mod, generation_keys, store_wait
 from .deadlock import Waits
 from .errors import HvdlikeInternalError
 from .executor import CompletionHooks
@@ -173,7 +173,7 @@ class Runtime:
         self.shm = shm_plane.settings(cfg, topology, rendezvous)
         parts = SetParts(topology.rank, self.store, cfg, local_addr, self.engines,
                          self.mpi_world, self.shm, self.hooks, self.settings, self.recording,
-                         lambda: self.fatal)
+                         lambda: self.fatal, self._watch_peers)
         self.sets = ProcessSetRegistry(topology.size, parts, self.submit, self.wait,
                                        self.alive_error)
         try:
@@ -665,6 +665,13 @@ class Runtime:
         if self.fatal is None:
             self.fatal = error
             logger.error("%s", error)
+
+    def _watch_peers(self) -> store_wait.Gone:
+        """A probe naming ranks that are gone, for one wait while a set is built
+        (none before the health watcher starts: :meth:`build` registers the
+        sets given to ``init`` before it)."""
+        health = self.health
+        return health.watch() if health is not None else store_wait.no_watch()
 
     def _store_lost(self, error: BaseException) -> None:
         """The health watcher lost the store for good. Once every rank has agreed

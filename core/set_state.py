@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from typing import Callable, Optional, Sequence
 
+from . import store_wait
 from .controller import Controller
 from .executor import CompletionHooks, Executor
 from .tensor_queue import TensorQueue
+from .store_wait import Watch
 from .transport import GlooControlPlane, Groups
 
 
@@ -32,11 +34,14 @@ class SetParts:
         recording: the runtime's timeline slot (``timeline.Recording``).
         abandon: returns the runtime's fatal error, if any (the MPI control
             plane stops polling once the job has failed).
+        watch: makes a probe naming ranks that are gone, for the waits while a
+            set is built (see :mod:`.store_wait`).
     """
 
     def __init__(self, rank: int, store, cfg, local_addr: str, engines, mpi_world, shm,
                  hooks: CompletionHooks, settings, recording,
-                 abandon: Callable[[], Optional[BaseException]]):
+                 abandon: Callable[[], Optional[BaseException]],
+                 watch: Watch = store_wait.no_watch):
         self.rank = rank
         self.store = store
         self.cfg = cfg
@@ -48,6 +53,7 @@ class SetParts:
         self.settings = settings
         self.recording = recording
         self.abandon = abandon
+        self.watch = watch
 
 
 class ProcessSetState:
@@ -70,7 +76,8 @@ class ProcessSetState:
         controller_engine, cpu_engine = parts.engines
         self.groups = Groups(dist.PrefixStore(f"ps{set_id}/", parts.store), self.rank,
                              self.size, parts.cfg.gloo_timeout_seconds, parts.local_addr,
-                             gloo_control=controller_engine == "gloo", abandon=parts.abandon)
+                             gloo_control=controller_engine == "gloo", abandon=parts.abandon,
+                             members=self.ranks, watch=parts.watch)
         try:
             control = (GlooControlPlane(self.groups.control, self.rank, self.size)
                        if controller_engine == "gloo" else None)
@@ -95,12 +102,13 @@ class ProcessSetState:
 
                 def across_hosts(store, layout):
                     return shm_hierarchy.build(parts.shm, store, self.rank, self.ranks, layout,
-                                               gloo, parts.abandon, self.groups.subgroup)
+                                               gloo, parts.abandon, self.groups.subgroup,
+                                               parts.watch)
 
                 data, shm_control = shm_plane.for_set(
                     parts.shm, self.groups.store, self.rank, self.ranks, gloo, parts.abandon,
                     data=cpu_engine == "gloo", control=controller_engine == "gloo",
-                    across_hosts=across_hosts)
+                    across_hosts=across_hosts, watch=parts.watch)
                 if data is not None:
                     self.groups.cpu_plane = data
                 if shm_control is not None:

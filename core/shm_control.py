@@ -38,11 +38,14 @@ class ShmControlPlane:
         rank, size: this member's rank in the set and the set's size.
         ranks: the set's global ranks (for error messages).
         abandon: returns the job's failure once there is one.
+        slot_bytes: bytes of each member's message slot.
+        gone: names members that are gone while the segment is set up (see
+            :mod:`.store_wait`).
     """
 
     def __init__(self, settings_, store, rank: int, size: int, ranks: Sequence[int],
                  abandon: Callable[[], Optional[BaseException]] = lambda: None,
-                 slot_bytes: int = SLOT_BYTES):
+                 slot_bytes: int = SLOT_BYTES, gone=lambda ranks: ""):
         self.rank = rank
         self.size = size
         self.ranks = list(ranks)
@@ -53,7 +56,7 @@ class ShmControlPlane:
         total = self.header + 2 * size * slot_bytes
         self.segment = shm_segment.attach(store, "control", settings_.tag, rank, size,
                                           self.header, total, self.ranks,
-                                          settings_.start_timeout_seconds)
+                                          settings_.start_timeout_seconds, abandon, gone)
         self._step = 0
         self._views = BoundedMemo()  # shape -> vote data views, see _vote_views
 

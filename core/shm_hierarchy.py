@@ -39,6 +39,7 @@ from typing import Callable, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from . import store_wait
 from .errors import HvdlikeInternalError
 from .shm_plane import Settings, ShmDataGroup, _bytes, _closed, _reducer
 
@@ -237,7 +238,8 @@ class HierarchicalGroup:
 def build(settings_: Settings, store, rank: int, ranks: Sequence[int],
           layout: Sequence[Sequence[int]], gloo: Callable[[], object],
           abandon: Callable[[], Optional[BaseException]],
-          subgroup: Callable[[str, int, int], object]) -> Optional[HierarchicalGroup]:
+          subgroup: Callable[[str, int, Sequence[int]], object],
+          watch: store_wait.Watch = store_wait.no_watch) -> Optional[HierarchicalGroup]:
     """The set's :class:`HierarchicalGroup`, or None when neither kind is wanted.
 
     Collective over the set: the members of each host map their segment, then
@@ -254,9 +256,10 @@ def build(settings_: Settings, store, rank: int, ranks: Sequence[int],
     try:
         if len(members) > 1:
             local = ShmDataGroup(settings_, dist.PrefixStore(f"host{host}/", store), me,
-                                 len(members), [ranks[m] for m in members], _no_gloo, abandon)
+                                 len(members), [ranks[m] for m in members], _no_gloo, abandon,
+                                 gone=watch())
         if me == 0:
-            cross = subgroup("hier-cross/", host, len(layout))
+            cross = subgroup("hier-cross/", host, [h[0] for h in layout])
     except BaseException:
         if local is not None:
             local.shutdown()

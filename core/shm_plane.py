@@ -55,13 +55,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import secrets
-import time
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from . import shm_segment
+from . import shm_segment, store_wait
 from .errors import HvdlikeInternalError
 from .memo import BoundedMemo
 from .shm_segment import Segment, job_tag  # noqa: F401 - job_tag re-exported
@@ -152,12 +151,22 @@ def settings(cfg, topology, rendezvous) -> Optional[Settings]:
                     hierarchical_allgather=cfg.hierarchical_allgather)
 
 
-def host_layout(store, settings_: Settings, rank: int, size: int) -> List[List[int]]:
+def host_layout(store, settings_: Settings, rank: int, size: int,
+                ranks: Optional[Sequence[int]] = None,
+                abandon: Callable[[], Optional[BaseException]] = lambda: None,
+                gone: store_wait.Gone = lambda ranks: "") -> List[List[int]]:
     """The set's ranks grouped by host, hosts ordered by their lowest set rank.
 
-    Collective over the set: every member publishes its host.
+    Collective over the set: every member publishes its host. ``ranks`` are
+    the set's global ranks; ``abandon`` and ``gone`` end the wait for the
+    others early (see :mod:`.store_wait`).
     """
+    ranks = list(ranks) if ranks is not None else list(range(size))
     store.set(f"host/{rank}", settings_.host)
+    others = [r for r in range(size) if r != rank]
+    store_wait.await_keys(store, [f"host/{r}" for r in others], [ranks[r] for r in others],
+                          settings_.start_timeout_seconds, abandon, gone,
+                          f"the shared-memory plane of ranks {ranks}")
     hosts = [settings_.host if r == rank else store.get(f"host/{r}").decode()
              for r in range(size)]
     layout: Dict[str, List[int]] = {}
@@ -238,7 +247,7 @@ class ShmDataGroup:
     def __init__(self, settings_: Settings, store, rank: int, size: int, ranks: Sequence[int],
                  gloo: Callable[[], object],
                  abandon: Callable[[], Optional[BaseException]] = lambda: None,
-                 chunk_bytes: int = 0):
+                 chunk_bytes: int = 0, gone: store_wait.Gone = lambda ranks: ""):
         self.settings = settings_
         self.rank = rank
         self.size = size
@@ -261,7 +270,7 @@ class ShmDataGroup:
         self._slots = BoundedMemo()
         self._reducers: Dict[object, Optional[Callable]] = {}
         self.pids: List[int] = []
-        self.segment = self._attach(store)
+        self.segment = self._attach(store, gone)
         try:
             self.reads_across = self._probe_across()
         except BaseException:
@@ -273,12 +282,13 @@ class ShmDataGroup:
 
     # -- setup ---------------------------------------------------------------------------
 
-    def _attach(self, store) -> Segment:
+    def _attach(self, store, gone: store_wait.Gone) -> Segment:
         n = self.size
         header = shm_segment.header_bytes(n, 16 * n + 24)
         total = header + 2 * (n + 1) * self.chunk_bytes
         segment = shm_segment.attach(store, "segment", self.settings.tag, self.rank, n, header,
-                                     total, self.ranks, self.settings.start_timeout_seconds)
+                                     total, self.ranks, self.settings.start_timeout_seconds,
+                                     self.abandon, gone)
         self.name = segment.name
         self.pids = segment.pids
         mm = segment.mm
@@ -670,7 +680,8 @@ class ShmDataGroup:
 def for_set(settings_: Settings, store, rank: int, ranks: Sequence[int],
             gloo: Callable[[], object], abandon: Callable[[], Optional[BaseException]],
             data: bool = True, control: bool = True,
-            across_hosts: Optional[Callable[[object, List[List[int]]], object]] = None) -> tuple:
+            across_hosts: Optional[Callable[[object, List[List[int]]], object]] = None,
+            watch: store_wait.Watch = store_wait.no_watch) -> tuple:
     """``(data plane, control plane)`` of a process set on shared memory, or ``(None, None)``.
 
     Collective over the set's members (each publishes its host in the set's
@@ -678,11 +689,13 @@ def for_set(settings_: Settings, store, rank: int, ranks: Sequence[int],
     plane is ``across_hosts(store, layout)`` (the hierarchical plane of
     :mod:`.shm_hierarchy`, or None: Gloo); ``layout`` lists the set's ranks
     per host. ``data``/``control`` False leave that plane to another engine (MPI).
+    ``abandon`` and ``watch`` end the waits for the other members early when
+    the job fails or a member is gone (see :mod:`.store_wait`).
     """
     from .shm_control import ShmControlPlane
 
     store = dist.PrefixStore("shm/", store)
-    layout = host_layout(store, settings_, rank, len(ranks))
+    layout = host_layout(store, settings_, rank, len(ranks), ranks, abandon, watch())
     if len(layout) > 1:
         if not data or across_hosts is None:
             return None, None
@@ -690,9 +703,11 @@ def for_set(settings_: Settings, store, rank: int, ranks: Sequence[int],
     planes = [None, None]
     try:
         if data:
-            planes[0] = ShmDataGroup(settings_, store, rank, len(ranks), ranks, gloo, abandon)
+            planes[0] = ShmDataGroup(settings_, store, rank, len(ranks), ranks, gloo, abandon,
+                                     gone=watch())
         if control:
-            planes[1] = ShmControlPlane(settings_, store, rank, len(ranks), ranks, abandon)
+            planes[1] = ShmControlPlane(settings_, store, rank, len(ranks), ranks, abandon,
+                                        gone=watch())
     except BaseException:
         if planes[0] is not None:
             planes[0].shutdown()

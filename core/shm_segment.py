@@ -45,6 +45,7 @@ import threading
 import time
 from typing import Callable, List, Optional, Sequence
 
+from . import store_wait
 from .errors import HvdlikeInternalError
 
 SHM_DIR = "/dev/shm"
@@ -504,13 +505,18 @@ _created = 0
 
 
 def attach(store, key: str, tag: str, me: int, members: int, header: int, size: int,
-           ranks: Sequence[int], timeout_seconds: float) -> Segment:
+           ranks: Sequence[int], timeout_seconds: float,
+           abandon: Callable[[], Optional[BaseException]] = lambda: None,
+           gone: Callable[[Sequence[int]], str] = lambda ranks: "") -> Segment:
     """Create (member 0) or open (the others) a segment, then drop its name once all mapped it.
 
     Collective over the members; the name travels through ``store`` under ``key``.
+    Waiting for the others gives up when ``abandon()`` returns the job's failure
+    or ``gone`` names a member that has not come as gone (see :mod:`.store_wait`).
     """
     global _created
     name = ""
+    what = f"shared memory for ranks {list(ranks)}"
     try:
         if me == 0:
             _created += 1
@@ -518,6 +524,7 @@ def attach(store, key: str, tag: str, me: int, members: int, header: int, size: 
             mm = Segment.create(name, size)
             store.set(key, name)
         else:
+            store_wait.await_keys(store, [key], [ranks[0]], timeout_seconds, abandon, gone, what)
             name = store.get(key).decode()
             mm = Segment.open(name, size)
         segment = Segment(mm, members, me, header)
@@ -526,12 +533,23 @@ def attach(store, key: str, tag: str, me: int, members: int, header: int, size: 
         _publish_affinity(segment, affinity())
         segment.publish(_ATTACHED, 1)
         deadline = time.monotonic() + timeout_seconds
+        probe_at = time.monotonic() + store_wait.PROBE_SECONDS
         while not all(segment.read(m, _ATTACHED) for m in range(members)):
-            if time.monotonic() > deadline:
-                late = [ranks[m] for m in range(members) if not segment.read(m, _ATTACHED)]
+            error = abandon()
+            if error is not None:
                 raise HvdlikeInternalError(
-                    f"rank(s) {late} did not map the shared-memory segment within "
-                    f"{timeout_seconds:g}s")
+                    f"gave up setting up {what}, the job has failed: {error}")
+            now = time.monotonic()
+            if now >= probe_at or now > deadline:
+                probe_at = now + store_wait.PROBE_SECONDS
+                late = [ranks[m] for m in range(members) if not segment.read(m, _ATTACHED)]
+                why = gone(late) if late else ""
+                if why:
+                    raise HvdlikeInternalError(f"could not set up {what}: {why}")
+                if late and now > deadline:
+                    raise HvdlikeInternalError(
+                        f"rank(s) {late} did not map the shared-memory segment within "
+                        f"{timeout_seconds:g}s")
             time.sleep(_ATTACH_POLL_SECONDS)
     except HvdlikeInternalError:
         raise

@@ -30,7 +30,9 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from . import store_wait
 from .errors import HvdlikeInternalError
+from .store_wait import Gone, Watch
 
 
 def _gloo_group(store, rank: int, size: int, timeout: datetime.timedelta, local_addr: str):
@@ -48,19 +50,24 @@ def _gloo_group(store, rank: int, size: int, timeout: datetime.timedelta, local_
 
 
 def _arrive(store, rank: int, size: int, timeout: datetime.timedelta,
-            abandon: Callable[[], Optional[BaseException]], what: str) -> None:
+            abandon: Callable[[], Optional[BaseException]], what: str,
+            members: Optional[Sequence[int]] = None, gone: Gone = lambda ranks: "") -> None:
     """Return once all ``size`` members have come to create the group under ``store``.
 
-    Raises when ``abandon()`` reports that the job has failed (the peers may
-    never come) or when ``timeout`` passes, naming the members still missing.
+    Raises when ``abandon()`` reports that the job has failed, when ``gone``
+    names a missing member as gone (it left word or its heartbeat stopped: see
+    :mod:`.store_wait`), or when ``timeout`` passes, naming the members still
+    missing (as global ranks: ``members[i]`` is member ``i``'s).
     Whether the group is made is one decision for all: the first member to
     claim it (an atomic counter) writes "go" once everyone has arrived, or
     "stop" when it gives up. A member that wanted to give up but finds "go"
     enters after all -- the others are already entering and need it.
     """
+    members = list(members) if members is not None else list(range(size))
     store.set(f"arrived/{rank}", "1")
     keys = [f"arrived/{r}" for r in range(size)]
     deadline = time.monotonic() + timeout.total_seconds()
+    probe_at = time.monotonic() + store_wait.PROBE_SECONDS
     nap = 0.001
     why = None
     while True:
@@ -69,13 +76,20 @@ def _arrive(store, rank: int, size: int, timeout: datetime.timedelta,
         everyone = store.check(keys)
         if not everyone:
             error = abandon()
+            now = time.monotonic()
             if error is not None:
                 why = f"gave up creating the {what} group, the job has failed: {error}"
-            elif time.monotonic() >= deadline:
-                missing = [r for r in range(size) if not store.check([f"arrived/{r}"])]
-                why = (f"the {what} group was not created within "
-                       f"{timeout.total_seconds():g}s: member(s) {missing} of its {size} "
-                       f"never came to create it")
+            elif now >= probe_at or now >= deadline:
+                probe_at = now + store_wait.PROBE_SECONDS
+                missing = [members[r] for r in range(size)
+                           if not store.check([f"arrived/{r}"])]
+                left = gone(missing) if missing else ""
+                if left:
+                    why = f"could not create the {what} group: {left}"
+                elif now >= deadline:
+                    why = (f"the {what} group was not created within "
+                           f"{timeout.total_seconds():g}s: rank(s) {missing} of its {size} "
+                           f"member(s) never came to create it")
         if everyone or why is not None:
             if store.add("decider", 1) == 1:
                 store.set("verdict", "stop" if why is not None else "go")
@@ -107,11 +121,14 @@ class Groups:
 
     def __init__(self, store, rank: int, size: int, timeout_seconds: float, local_addr: str = "",
                  gloo_control: bool = True,
-                 abandon: Callable[[], Optional[BaseException]] = lambda: None):
+                 abandon: Callable[[], Optional[BaseException]] = lambda: None,
+                 members: Optional[Sequence[int]] = None, watch: Watch = store_wait.no_watch):
         self.store = store
         self.abandon = abandon  # the runtime's fatal error, if any (see _arrive)
+        self.watch = watch  # makes a probe naming members that are gone (see _arrive)
         self.rank = rank
         self.size = size
+        self.members = list(members) if members is not None else list(range(size))
         self.timeout = datetime.timedelta(seconds=timeout_seconds)
         self.local_addr = local_addr
         self._lock = threading.Lock()
@@ -121,8 +138,12 @@ class Groups:
         # fail, not make a group afresh under the keys of the first one.
         self._closed = False
         # None when negotiation runs on MPI (see mpi_plane.py).
-        self.control = _gloo_group(dist.PrefixStore("control/", store), rank, size,
-                                   self.timeout, local_addr) if gloo_control else None
+        self.control = None
+        if gloo_control:
+            control_store = dist.PrefixStore("control/", store)
+            if size > 1:
+                self._arrive(control_store, rank, size, "control")
+            self.control = _gloo_group(control_store, rank, size, self.timeout, local_addr)
         # The group CPU tensors use when it is not Gloo (an mpi_plane.MpiDataGroup).
         self.cpu_plane = None
         self.closers: List = []  # extra releases (an MPI control plane) run by close()
@@ -141,8 +162,7 @@ class Groups:
                 self._refuse_if_closed(f"{device_type} data")
                 prefix = dist.PrefixStore(f"data-{device_type}/", self.store)
                 if self.size > 1:
-                    _arrive(prefix, self.rank, self.size, self.timeout, self.abandon,
-                            f"{device_type} data")
+                    self._arrive(prefix, self.rank, self.size, f"{device_type} data")
                 if device_type == "cuda":
                     group = _nccl_group(prefix, self.rank, self.size, self.timeout)
                 else:
@@ -151,13 +171,23 @@ class Groups:
                 self._data[device_type] = group
             return group
 
-    def subgroup(self, prefix: str, rank: int, size: int):
-        """A Gloo group of some members only (collective over them), under ``prefix``."""
+    def subgroup(self, prefix: str, rank: int, members: Sequence[int]):
+        """A Gloo group of some members only (collective over them), under ``prefix``.
+
+        ``members``: the set ranks taking part, in subgroup rank order; ``rank``
+        is this member's index among them.
+        """
         self._refuse_if_closed(repr(prefix))
         store = dist.PrefixStore(prefix, self.store)
+        size = len(members)
         if size > 1:
-            _arrive(store, rank, size, self.timeout, self.abandon, f"{prefix!r}")
+            self._arrive(store, rank, size, f"{prefix!r}", [self.members[m] for m in members])
         return _gloo_group(store, rank, size, self.timeout, self.local_addr)
+
+    def _arrive(self, store, rank: int, size: int, what: str,
+                members: Optional[Sequence[int]] = None) -> None:
+        _arrive(store, rank, size, self.timeout, self.abandon, what,
+                members if members is not None else self.members, self.watch())
 
     def _refuse_if_closed(self, what: str) -> None:
         if self._closed:

@@ -1,6 +1,10 @@
 """Process sets on real ranks: static and dynamic registration, every collective, errors."""
 
-from tests.multiproc.harness import run_ranks
+import signal
+
+import pytest
+
+from tests.multiproc.harness import describe, run_ranks
 
 
 def _wait_for(path, seconds=40.0):
@@ -268,3 +272,72 @@ def test_dynamic_knob_from_horovod_environment_variable():
     results = run_ranks(_dynamic_knob, np=2, env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"},
                         timeout=90)
     assert results == [[0.0], [1.0]]
+
+
+def _member_lost_while_the_set_is_built(how):
+    import os
+    import re
+    import signal
+    import time
+
+    import torch
+
+    import hvdlike.torch as hvd
+    from hvdlike.core import set_state, shm_plane
+    from hvdlike.core.errors import HorovodInternalError
+
+    torch.set_num_threads(1)
+    hvd.init()
+    hvd.allreduce(torch.ones(2), name="warm")
+    if hvd.rank() == 2:
+        # Rank 2 agrees to build the set, then is lost at the named step of building it.
+        def lost(*args, **kwargs):
+            os.kill(os.getpid(), signal.SIGSTOP if how == "stopped" else signal.SIGKILL)
+            time.sleep(3600)
+
+        if how == "groups":
+            set_state.Groups = lost
+        else:
+            shm_plane.host_layout = lost
+    started = time.monotonic()
+    try:
+        pset = hvd.add_process_set([0, 2])
+        if hvd.rank() == 0:
+            hvd.allreduce(torch.ones(2), process_set=pset)
+        return "no error"
+    except HorovodInternalError as exc:
+        message = str(exc)
+        print("OUTCOME", type(exc).__name__, f"{time.monotonic() - started:.1f}s",
+              message.replace("\n", " "), flush=True)
+        if how == "stopped" and hvd.rank() == 0:
+            pid = int(re.search(r"rank 2 on \S+ \(pid (\d+)\)", message).group(1))
+            os.kill(pid, signal.SIGKILL)  # done with it: end the stopped rank
+        return "raised"
+
+
+@pytest.mark.parametrize("how", ["killed", "stopped", "groups"])
+def test_a_member_lost_while_a_set_is_built_fails_the_others_naming_it(how):
+    # Rank 0 waits in the set's setup (publishing its host, or the arrival before the
+    # control group with shared memory off) for rank 2, which will never come. It must
+    # not wait out the 120 s start timeout, nor end with a store error naming nobody:
+    # it learns the job failed (killed: the global set's negotiation sees the process
+    # exit) or that rank 2's heartbeat stopped (stopped: the process is there, frozen).
+    env = {"HVDLIKE_DYNAMIC_PROCESS_SETS": "1", "HVDLIKE_START_TIMEOUT": "120"}
+    if how == "groups":
+        env["HVDLIKE_SHM"] = "0"
+    codes, outputs = run_ranks(_member_lost_while_the_set_is_built, np=3, args=(how,),
+                               env=env, expect_failure=True, timeout=100)
+    assert codes[2] == -signal.SIGKILL, describe(codes, outputs)
+    assert codes[0] == 0, describe(codes, outputs)
+    outcome = [line for line in outputs[0].splitlines() if line.startswith("OUTCOME ")]
+    assert outcome, describe(codes, outputs)
+    text = outcome[0]
+    assert "rank 2 on" in text, describe(codes, outputs)
+    if how == "stopped":
+        assert "could not set up the shared-memory plane of ranks [0, 2]: rank 2 on" in text
+        assert "died or stopped responding (no heartbeat for " in text
+    elif how == "killed":
+        assert "gave up setting up the shared-memory plane of ranks [0, 2], the job has " \
+               "failed" in text
+    else:
+        assert "the control group" in text
