@@ -27,12 +27,16 @@ from __future__ import annotations
 
 import pickle
 import threading
+import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from .collectives import allgather_entry, barrier_entry
 from .errors import HvdlikeError, HvdlikeInternalError
 from .process_sets import ProcessSet
 from .set_state import ProcessSetState, SetParts
+
+# How long a set that failed to build waits for the runtime to learn why (see _build).
+_CAUSE_WAIT_SECONDS = 2.0
 
 
 def _check_ranks(pset: ProcessSet, size: int, what: str) -> None:
@@ -143,7 +147,23 @@ class ProcessSetRegistry:
         ranks = list(ranks)
         if self.rank not in ranks:
             return None
-        state = ProcessSetState(set_id, ranks, self.parts)
+        try:
+            state = ProcessSetState(set_id, ranks, self.parts)
+        except HvdlikeError:
+            raise
+        except Exception as exc:
+            # An engine's own error (Gloo's rendezvous, a store timeout): say
+            # which set it was, and why the job failed if the runtime knows --
+            # a member that died breaks the rendezvous and the global set's
+            # next negotiation alike; the latter names it (give it a moment).
+            deadline = time.monotonic() + (_CAUSE_WAIT_SECONDS if self._running else 0.0)
+            cause = self._alive_error()
+            while cause is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+                cause = self._alive_error()
+            raise HvdlikeInternalError(
+                f"rank {self.rank} could not set up process set {set_id} (ranks {ranks}): "
+                f"{cause if cause is not None else exc}") from None
         if self._running:
             state.start()
         return state

@@ -41,6 +41,8 @@ from .tensor_queue import Entry
 from .timeline import Recording
 from .topology import horovod_variables
 
+# How long the teardown waits for a user thread's cycle to end (see Runtime._teardown).
+_TEARDOWN_WAIT_SECONDS = 5.0
 # Idle back-off of the background loop (see Runtime._loop).
 _IDLE_CYCLES_BEFORE_BACKOFF = 8
 _IDLE_PAUSE_MAX_SECONDS = 0.05
@@ -834,12 +836,26 @@ class Runtime:
         return f"{text}: {who}"
 
     def _teardown(self) -> None:
-        """The background thread's last act: fail what is pending, stop the parts."""
-        reason = self.fatal or HvdlikeInternalError(self._shutdown_reason())
-        for state in self.process_sets.values():
-            self.sets.fail_pending(state, reason)
-        for state in self.process_sets.values():
-            state.close(0)  # its completion thread was stopped just above
+        """The background thread's last act: fail what is pending, stop the parts.
+
+        A user thread may be in the middle of a cycle (:meth:`wait` runs them):
+        its groups are not closed under it while it lasts. Its waits give up on
+        the job's failure, so that is short; a cycle stuck longer (in a Gloo
+        collective that cannot be given up) is left to fail on its own after
+        ``_TEARDOWN_WAIT_SECONDS``, against groups that refuse to be made again.
+        """
+        held = self._cycle_lock.acquire(timeout=_TEARDOWN_WAIT_SECONDS)
+        if not held:
+            logger.debug("tearing down while a user thread's cycle still runs")
+        try:
+            reason = self.fatal or HvdlikeInternalError(self._shutdown_reason())
+            for state in self.process_sets.values():
+                self.sets.fail_pending(state, reason)
+            for state in self.process_sets.values():
+                state.close(0)  # its completion thread was stopped just above
+        finally:
+            if held:
+                self._cycle_lock.release()
         if self.health is not None:
             self.health.close(clean=self.fatal is None)
         self.recording.close()

@@ -283,7 +283,7 @@ def _member_lost_while_the_set_is_built(how):
     import torch
 
     import hvdlike.torch as hvd
-    from hvdlike.core import set_state, shm_plane
+    from hvdlike.core import set_state, shm_plane, transport
     from hvdlike.core.errors import HorovodInternalError
 
     torch.set_num_threads(1)
@@ -291,14 +291,23 @@ def _member_lost_while_the_set_is_built(how):
     hvd.allreduce(torch.ones(2), name="warm")
     if hvd.rank() == 2:
         # Rank 2 agrees to build the set, then is lost at the named step of building it.
-        def lost(*args, **kwargs):
+        def lose():
             os.kill(os.getpid(), signal.SIGSTOP if how == "stopped" else signal.SIGKILL)
             time.sleep(3600)
 
+        def lost_at_layout(store, *args, **kwargs):
+            store.wait(["host/0"])  # rank 0 is past the control group, waiting on rank 2
+            lose()
+
+        def lost_in_rendezvous(*args, **kwargs):
+            lose()  # rank 2 has arrived: rank 0 is in Gloo's rendezvous, which cannot give up
+
         if how == "groups":
-            set_state.Groups = lost
+            set_state.Groups = lambda *args, **kwargs: lose()
+        elif how == "rendezvous":
+            transport._gloo_group = lost_in_rendezvous
         else:
-            shm_plane.host_layout = lost
+            shm_plane.host_layout = lost_at_layout
     started = time.monotonic()
     try:
         pset = hvd.add_process_set([0, 2])
@@ -315,16 +324,18 @@ def _member_lost_while_the_set_is_built(how):
         return "raised"
 
 
-@pytest.mark.parametrize("how", ["killed", "stopped", "groups"])
+@pytest.mark.parametrize("how", ["killed", "stopped", "groups", "rendezvous"])
 def test_a_member_lost_while_a_set_is_built_fails_the_others_naming_it(how):
-    # Rank 0 waits in the set's setup (publishing its host, or the arrival before the
-    # control group with shared memory off) for rank 2, which will never come. It must
-    # not wait out the 120 s start timeout, nor end with a store error naming nobody:
-    # it learns the job failed (killed: the global set's negotiation sees the process
-    # exit) or that rank 2's heartbeat stopped (stopped: the process is there, frozen).
+    # Rank 0 waits in the set's setup (for rank 2's host record; at the arrival before the
+    # control group, shared memory off; in Gloo's rendezvous) for rank 2, which will never
+    # come. It must not wait out the 120 s start timeout, nor end with a store or Gloo
+    # error naming nobody: it learns the job failed (the global set's negotiation sees the
+    # process exit) or that rank 2's heartbeat stopped (stopped: the process is there, frozen).
     env = {"HVDLIKE_DYNAMIC_PROCESS_SETS": "1", "HVDLIKE_START_TIMEOUT": "120"}
-    if how == "groups":
+    if how in ("groups", "rendezvous"):
         env["HVDLIKE_SHM"] = "0"
+    if how == "rendezvous":
+        env["HVDLIKE_GLOO_TIMEOUT_SECONDS"] = "10"
     codes, outputs = run_ranks(_member_lost_while_the_set_is_built, np=3, args=(how,),
                                env=env, expect_failure=True, timeout=100)
     assert codes[2] == -signal.SIGKILL, describe(codes, outputs)
@@ -339,5 +350,7 @@ def test_a_member_lost_while_a_set_is_built_fails_the_others_naming_it(how):
     elif how == "killed":
         assert "gave up setting up the shared-memory plane of ranks [0, 2], the job has " \
                "failed" in text
-    else:
+    elif how == "groups":
         assert "the control group" in text
+    else:
+        assert "rank 0 could not set up process set 1 (ranks [0, 2]): " in text
