@@ -46,6 +46,36 @@ STORE_LOST_SECONDS = 5.0  # unreachable this long (and 5 intervals): its host is
 PEER_QUIET_SECONDS = 5.0  # rank 0 at an abort: a peer silent this long is not waited for
 
 
+def word_of(store, rank: int) -> Optional[str]:
+    """What ``rank`` left in ``store`` about its end -- its own reason, or the
+    elastic launcher's for it (``protocol.lost_key``), or a goodbye -- if anything."""
+    def read(key: str) -> Optional[bytes]:
+        return store.get(key) if store.check([key]) else None
+
+    try:
+        said = read(f"health/shutdown/{rank}")
+        if said is not None:
+            return said.decode()
+        return "shut down" if read(f"health/bye/{rank}") is not None else None
+    except StoreTamperedError as exc:
+        return str(exc)
+
+
+def words_probe(store) -> Callable[[Sequence[int]], str]:
+    """A probe (see :mod:`.store_wait`) that knows only what ranks left in the store:
+    for the sets built before the watcher starts, when no heartbeat moves yet.
+    In an elastic job it names a rank the launcher saw end while the
+    generation was forming."""
+    def probe(ranks: Sequence[int]) -> str:
+        try:
+            words = {r: word_of(store, r) for r in ranks}
+        except Exception:  # the store is unreachable: the wait's own timeout reports it
+            return ""
+        return "; ".join(f"rank {r} {word}" for r, word in words.items() if word is not None)
+
+    return probe
+
+
 class Health:
     """Heartbeat, stall inspection and peer diagnosis for one runtime."""
 
@@ -416,10 +446,4 @@ class Health:
 
     def _word(self, rank: int) -> Optional[str]:
         """What ``rank`` (or the launcher, for it) left in the store about its end, if anything."""
-        try:
-            said = self._read(f"health/shutdown/{rank}")
-            if said is not None:
-                return said.decode()
-            return "shut down" if self._read(f"health/bye/{rank}") is not None else None
-        except StoreTamperedError as exc:
-            return str(exc)
+        return self._store_op(lambda: word_of(self.store, rank))

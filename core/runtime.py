@@ -31,7 +31,7 @@ from .deadlock import Waits
 from .errors import HvdlikeInternalError
 from .executor import CompletionHooks
 from .handles import Handle, finish_many
-from .health import Health
+from .health import Health, words_probe
 from .job_store import JobStore
 from .log import configure as configure_logging, logger
 from .messages import OpType
@@ -669,11 +669,11 @@ class Runtime:
             logger.error("%s", error)
 
     def _watch_peers(self) -> store_wait.Gone:
-        """A probe naming ranks that are gone, for one wait while a set is built
-        (none before the health watcher starts: :meth:`build` registers the
-        sets given to ``init`` before it)."""
+        """A probe naming ranks that are gone, for one wait while a set is built.
+        Before the health watcher starts (:meth:`build` registers the sets given
+        to ``init`` before it) only what ranks or the launcher left in the store."""
         health = self.health
-        return health.watch() if health is not None else store_wait.no_watch()
+        return health.watch() if health is not None else words_probe(self.store)
 
     def _store_lost(self, error: BaseException) -> None:
         """The health watcher lost the store for good. Once every rank has agreed

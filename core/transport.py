@@ -92,6 +92,8 @@ def _arrive(store, rank: int, size: int, timeout: datetime.timedelta,
                            f"member(s) never came to create it")
         if everyone or why is not None:
             if store.add("decider", 1) == 1:
+                if why is not None:
+                    store.set("reason", why)  # before the verdict: who reads "stop" finds it
                 store.set("verdict", "stop" if why is not None else "go")
             break
         time.sleep(nap)
@@ -104,6 +106,9 @@ def _arrive(store, rank: int, size: int, timeout: datetime.timedelta,
         time.sleep(0.005)
     if bytes(store.get("verdict")) == b"go":
         return
+    if why is None and store.check(["reason"]):
+        why = (f"gave up creating the {what} group: another member gave up "
+               f"({bytes(store.get('reason')).decode()})")
     raise HvdlikeInternalError(why or f"gave up creating the {what} group: another "
                                f"member gave up (the job has failed or a member never came)")
 

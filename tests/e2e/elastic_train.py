@@ -12,6 +12,9 @@ step; ``ELASTIC_PROGRESS`` names a file the rank 0 writes its step count to.
 ``ELASTIC_PROCESS_SETS`` (``0,1;2,3``) are static process sets given to
 ``init()``; the GEN line then shows each set's id and the sum of the global
 ranks of its members, computed by an allreduce on the set (``sets=``).
+``ELASTIC_DIE_FORMING`` (``WORKER:GENERATION``): that worker SIGKILLs itself
+while generation GENERATION is being formed, before it takes part in making
+the global set's groups (the others wait for it there).
 """
 
 import os
@@ -34,6 +37,20 @@ for spec in filter(None, os.environ.get("ELASTIC_FAULTS", "").split(",")):
 
 SETS = [hvd.ProcessSet([int(r) for r in spec.split(",")])
         for spec in filter(None, os.environ.get("ELASTIC_PROCESS_SETS", "").split(";"))]
+
+if os.environ.get("ELASTIC_DIE_FORMING", "").split(":")[0] == WORKER:
+    from hvdlike.core import transport
+
+    _DIE_AT = os.environ["ELASTIC_DIE_FORMING"].split(":")[1]
+    _make_groups = transport.Groups.__init__
+
+    def _groups_or_die(self, *args, **kwargs):
+        if os.environ.get("HVDLIKE_ELASTIC_GENERATION") == _DIE_AT:
+            print(f"FAULT worker={WORKER} kind=die-forming gen={_DIE_AT}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        _make_groups(self, *args, **kwargs)
+
+    transport.Groups.__init__ = _groups_or_die
 
 torch.set_num_threads(1)
 hvd.init(process_sets=SETS)

@@ -91,6 +91,27 @@ def test_rank_sigkilled_shrinks_the_job_from_3_to_2(marker):
     print(f"kill to training resumed: {resume_seconds(out, 2):.1f}s")
 
 
+def test_a_rank_lost_while_a_generation_forms_is_named_and_the_next_one_forms(marker):
+    # w3 raises (its host, alone, is blacklisted): generation 2 forms with w0-w2, and w2
+    # dies making its groups. The
+    # survivors, waiting for it to arrive, read the launcher's report of its end and give
+    # generation 2 up at once, instead of after the 60 s Gloo timeout; generation 3 of
+    # w0 and w1 finishes the job.
+    code, out, err, _ = run(
+        ["-np", "4", "--min-np", "2", "-H", "127.0.0.1:2,127.0.0.2:1,127.0.0.3:1",
+         sys.executable, TRAIN, str(marker)],
+        timeout=150, env=_env(ELASTIC_FAULTS="w3:3:raise", ELASTIC_DIE_FORMING="w2:2",
+                              HVDLIKE_GLOO_TIMEOUT_SECONDS="60"))
+    assert code == 0, err
+    _assert_finished(out, ["w0", "w1"], 2)
+    assert "FAULT worker=w2 kind=die-forming gen=2" in out, out
+    formed = re.findall(r"generation 2 did not form \((.*)\); waiting for the next one", err)
+    assert len(formed) == 2, err  # both survivors
+    for why in formed:
+        assert "could not create the control group: rank 2 was killed by signal 9 " \
+               "(SIGKILL) (seen by hvdlike-run)" in why, why
+
+
 def test_ranks_waiting_to_re_form_leave_once_a_rank_completed_the_job(marker):
     # As Horovod's driver stops the other workers once one succeeded: rank 1's last
     # collective fails as rank 0 ends, and it leaves instead of waiting out the

@@ -93,3 +93,13 @@ def test_the_health_probe_names_a_silent_rank_and_one_that_said_goodbye(monkeypa
         beating.set()
     finally:
         watcher.close(clean=False)
+
+
+def test_before_the_watcher_starts_the_probe_reads_what_ranks_or_the_launcher_left():
+    store = host_store()
+    probe = health.words_probe(store)
+    assert probe([1, 2, 3]) == ""
+    store.set("health/shutdown/2", "was killed by signal 9 (SIGKILL) (seen by hvdlike-run)")
+    store.set("health/bye/3", "1")
+    assert probe([1, 2, 3]) == ("rank 2 was killed by signal 9 (SIGKILL) (seen by hvdlike-run)"
+                                "; rank 3 shut down")
