@@ -348,8 +348,11 @@ def test_a_member_lost_while_a_set_is_built_fails_the_others_naming_it(how):
         assert "could not set up the shared-memory plane of ranks [0, 2]: rank 2 on" in text
         assert "died or stopped responding (no heartbeat for " in text
     elif how == "killed":
-        assert "gave up setting up the shared-memory plane of ranks [0, 2], the job has " \
-               "failed" in text
+        # Usually the global set's negotiation names the exited process first (~2.5 s);
+        # on a starved host rank 2's silent heartbeat (5 s) may name it first.
+        assert ("gave up setting up the shared-memory plane of ranks [0, 2], the job has "
+                "failed" in text) or ("could not set up the shared-memory plane of ranks "
+                                      "[0, 2]: rank 2 on" in text), text
     elif how == "groups":
         assert "the control group" in text
     else:
