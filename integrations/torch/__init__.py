@@ -40,3 +40,4 @@ from .functions import broadcast_optimizer_state, broadcast_parameters
 from .optimizer import DistributedOptimizer
 from .sparse import sparse_allreduce_async
 from .sync_batch_norm import SyncBatchNorm
+from . import mpi_ops  # noqa: F401 - hvd.mpi_ops without an import, as in Horovod

@@ -178,6 +178,7 @@ def test_submodules_users_import_from(module, names):
     for name in names:
         assert getattr(mod, name) is not None, f"hvdlike.torch.{module}.{name}"
     assert importlib.import_module("hvdlike.torch.mpi_ops").allreduce is hvd.allreduce
+    assert hvd.mpi_ops.synchronize is hvd.synchronize  # an attribute, as in Horovod
 
 
 def test_build_queries_truthful():
