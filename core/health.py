@@ -135,32 +135,48 @@ class Health:
 
     def _await_abort_seen(self, limit: float = 15.0) -> None:
         """Rank 0 after an abort: wait (at most ``limit`` s) until every other rank
-        has taken the abort in, said goodbye, or stopped beating (it is dead and
+        has taken the abort in or is gone (it left word or stopped beating: it
         will never look). Rank 0 often hosts the store, and closing it under a peer
         whose watcher has not looked yet would leave that peer with no reason to
         give -- or, under MPI, waiting for rank 0 forever."""
-        started = time.monotonic()
-        deadline = started + limit
-        quiet_after = max(PEER_QUIET_SECONDS, 5 * self.interval)
+        deadline = time.monotonic() + limit
+        departed = self._departures()
         peers = set(range(self.size)) - {self.rank}
         try:
-            beats = {r: (count, started) for r, count in self._counters_of(sorted(peers)).items()}
             while peers and time.monotonic() < deadline:
-                now = time.monotonic()
-                counts = self._counters_of(sorted(peers))
-                for r in sorted(peers):
-                    if counts[r] != beats[r][0]:
-                        beats[r] = (counts[r], now)
-                    if (self._read(f"health/abort_seen/{r}") is not None
-                            or self._read(f"health/bye/{r}") is not None
-                            or now - beats[r][1] > quiet_after):
-                        peers.discard(r)
+                peers = {r for r in peers if self._read(f"health/abort_seen/{r}") is None}
+                peers -= set(departed(sorted(peers)))
                 if peers:
                     time.sleep(min(0.05, self.interval))
         except Exception as exc:  # the store is gone already: nothing left to wait for
             logger.debug("not waiting for peers to see the abort: %s", exc)
         if peers:
             logger.debug("closing with rank(s) %s not having seen the abort", sorted(peers))
+
+    def _departures(self) -> Callable[[Sequence[int]], Dict[int, str]]:
+        """For one wait on peers: ``departed(ranks)`` maps those of ``ranks`` that
+        are gone to why -- what they (or the launcher) left in the store, or a
+        heartbeat that has not moved for ``PEER_QUIET_SECONDS`` (and 5 intervals)
+        since the first call. Store errors propagate."""
+        quiet_after = max(PEER_QUIET_SECONDS, 5 * self.interval)
+        beats: Dict[int, tuple] = {}  # rank -> (counter, when it was last seen to move)
+
+        def departed(ranks: Sequence[int]) -> Dict[int, str]:
+            now = time.monotonic()
+            counts = self._counters_of(ranks)
+            found = {}
+            for r in ranks:
+                if beats.get(r, (None,))[0] != counts[r]:
+                    beats[r] = (counts[r], now)
+                word = self._word(r)
+                if word is not None:
+                    found[r] = word
+                elif now - beats[r][1] > quiet_after:
+                    found[r] = (f"died or stopped responding (no heartbeat for "
+                                f"{now - beats[r][1]:.0f}s)")
+            return found
+
+        return departed
 
     # -- the watcher thread ----------------------------------------------------------
 
@@ -413,34 +429,19 @@ class Health:
         return "; ".join(parts)
 
     def watch(self) -> Callable[[Sequence[int]], str]:
-        """A probe for one wait on other ranks (see :mod:`.store_wait`).
-
-        ``probe(ranks)`` names those of ``ranks`` that are gone: they left word
-        in the store, or their heartbeat has not moved for ``PEER_QUIET_SECONDS``
-        (and 5 intervals) since the probe first looked. '' while all look alive.
-        """
-        quiet_after = max(PEER_QUIET_SECONDS, 5 * self.interval)
-        beats: Dict[int, tuple] = {}  # rank -> (counter, when it was last seen to move)
+        """A probe for one wait on other ranks (see :mod:`.store_wait`):
+        ``probe(ranks)`` names those that are gone (see :meth:`_departures`),
+        '' while all look alive."""
+        departed = self._departures()
 
         def probe(ranks: Sequence[int]) -> str:
-            now = time.monotonic()
             try:
-                counts = self._counters_of(ranks)
-                words = {r: self._word(r) for r in ranks}
+                found = departed(ranks)
             except StoreTamperedError as exc:
                 return str(exc)
             except Exception:  # the store is unreachable: the lost-store check reports it
                 return ""
-            gone = []
-            for r in ranks:
-                if beats.get(r, (None,))[0] != counts[r]:
-                    beats[r] = (counts[r], now)
-                if words[r] is not None:
-                    gone.append(f"rank {r} on {self.host(r)} {words[r]}")
-                elif now - beats[r][1] > quiet_after:
-                    gone.append(f"rank {r} on {self.host(r)} died or stopped responding (no "
-                                f"heartbeat for {now - beats[r][1]:.0f}s)")
-            return "; ".join(gone)
+            return "; ".join(f"rank {r} on {self.host(r)} {why}" for r, why in found.items())
 
         return probe
 

@@ -532,25 +532,11 @@ def attach(store, key: str, tag: str, me: int, members: int, header: int, size: 
         segment.publish(_PID, os.getpid())
         _publish_affinity(segment, affinity())
         segment.publish(_ATTACHED, 1)
-        deadline = time.monotonic() + timeout_seconds
-        probe_at = time.monotonic() + store_wait.PROBE_SECONDS
-        while not all(segment.read(m, _ATTACHED) for m in range(members)):
-            error = abandon()
-            if error is not None:
-                raise HvdlikeInternalError(
-                    f"gave up setting up {what}, the job has failed: {error}")
-            now = time.monotonic()
-            if now >= probe_at or now > deadline:
-                probe_at = now + store_wait.PROBE_SECONDS
-                late = [ranks[m] for m in range(members) if not segment.read(m, _ATTACHED)]
-                why = gone(late) if late else ""
-                if why:
-                    raise HvdlikeInternalError(f"could not set up {what}: {why}")
-                if late and now > deadline:
-                    raise HvdlikeInternalError(
-                        f"rank(s) {late} did not map the shared-memory segment within "
-                        f"{timeout_seconds:g}s")
-            time.sleep(_ATTACH_POLL_SECONDS)
+        store_wait.await_all(
+            lambda: all(segment.read(m, _ATTACHED) for m in range(members)),
+            lambda: [ranks[m] for m in range(members) if not segment.read(m, _ATTACHED)],
+            timeout_seconds, abandon, gone, what, doing="map the shared-memory segment",
+            longest_nap=_ATTACH_POLL_SECONDS)
     except HvdlikeInternalError:
         raise
     except Exception as exc:

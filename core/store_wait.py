@@ -17,7 +17,7 @@ each time with an error that says which ranks it waited for and why it stopped.
 from __future__ import annotations
 
 import time
-from typing import Callable, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 from .errors import HvdlikeInternalError
 
@@ -52,26 +52,42 @@ def await_keys(store, keys: Sequence[str], owners: Sequence[int], timeout_second
     keys = list(keys)
     if not keys:
         return
+    await_all(lambda: store.check(keys),
+              lambda: [owner for key, owner in zip(keys, owners) if not store.check([key])],
+              timeout_seconds, abandon, gone, what)
+
+
+def await_all(done: Callable[[], bool], missing: Callable[[], List[int]],
+              timeout_seconds: float, abandon: Callable[[], Optional[BaseException]],
+              gone: Gone, what: str, doing: str = "take part",
+              longest_nap: float = _LONGEST_NAP) -> None:
+    """Return once ``done()``; the general form of :func:`await_keys`.
+
+    ``done()`` is polled (cheaply, with naps growing to ``longest_nap``);
+    ``missing()`` -- the global ranks not there yet -- only every
+    ``PROBE_SECONDS`` and at the timeout, for ``gone`` and the errors, which
+    say the ranks did not ``doing`` in time.
+    """
     deadline = time.monotonic() + timeout_seconds
     probe_at = time.monotonic() + PROBE_SECONDS
-    nap = 0.001
-    while not store.check(keys):
+    nap = min(0.001, longest_nap)
+    while not done():
         error = abandon()
         if error is not None:
             raise HvdlikeInternalError(f"gave up setting up {what}, the job has failed: "
                                        f"{error}")
         now = time.monotonic()
         if now >= probe_at or now >= deadline:
-            missing = [owner for key, owner in zip(keys, owners) if not store.check([key])]
-            if not missing:
+            late = missing()
+            if not late:
                 return
-            why = gone(missing)
+            why = gone(late)
             if why:
                 raise HvdlikeInternalError(f"could not set up {what}: {why}")
             if now >= deadline:
                 raise HvdlikeInternalError(
-                    f"could not set up {what}: rank(s) {missing} did not take part within "
+                    f"could not set up {what}: rank(s) {late} did not {doing} within "
                     f"{timeout_seconds:g}s")
             probe_at = now + PROBE_SECONDS
         time.sleep(nap)
-        nap = min(nap * 2, _LONGEST_NAP)
+        nap = min(nap * 2, longest_nap)
