@@ -49,6 +49,11 @@ def _gloo_group(store, rank: int, size: int, timeout: datetime.timedelta, local_
     return dist.ProcessGroupGloo(store, rank, size, timeout)
 
 
+# How long a member waits for the decision to be written before the job's
+# failure may end the wait (see _arrive).
+_DECIDER_GRACE_SECONDS = 1.0
+
+
 def _arrive(store, rank: int, size: int, timeout: datetime.timedelta,
             abandon: Callable[[], Optional[BaseException]], what: str,
             members: Optional[Sequence[int]] = None, gone: Gone = lambda ranks: "") -> None:
@@ -98,11 +103,18 @@ def _arrive(store, rank: int, size: int, timeout: datetime.timedelta,
             break
         time.sleep(nap)
         nap = min(nap * 2, 0.02)
-    # Whoever claimed the decision writes it next; wait for it (bounded).
+    # Whoever claimed the decision writes it next, two store calls later; wait
+    # for it. A decider that has not written it after a second has most likely
+    # died in between: give up then if the job has failed (nobody is told "go"
+    # while it stays unwritten), else at twice the timeout.
+    claimed = time.monotonic()
     while not store.check(["verdict"]):
-        if time.monotonic() >= deadline + timeout.total_seconds():
+        now = time.monotonic()
+        error = abandon() if now - claimed >= _DECIDER_GRACE_SECONDS else None
+        if error is not None or now >= deadline + timeout.total_seconds():
+            cause = f", and the job has failed: {error}" if error is not None else ""
             raise HvdlikeInternalError(f"no decision on creating the {what} group: the "
-                                       f"member that took it never wrote it")
+                                       f"member that took it never wrote it{cause}")
         time.sleep(0.005)
     if bytes(store.get("verdict")) == b"go":
         return

@@ -102,6 +102,34 @@ def test_a_failing_member_still_enters_once_everyone_has_come():
     assert results == [2.0, 2.0]
 
 
+def test_a_decider_that_never_writes_is_not_waited_for_once_the_job_failed():
+    # Rank 1 arrived, claimed the go/stop decision (the atomic counter) and died before
+    # writing it. Rank 0 finds everyone arrived and the decision taken: it waits for the
+    # verdict, and once its job has failed it gives up instead of waiting 2 x the timeout.
+    store = host_store()
+    store.set("arrived/1", "1")
+    assert store.add("decider", 1) == 1
+    failed = RuntimeError("rank 1 on vm (pid 7) died")
+    started = time.monotonic()
+    with pytest.raises(HvdlikeInternalError) as err:
+        _arrive(store, 0, 2, datetime.timedelta(seconds=60), lambda: failed, "cpu data")
+    assert time.monotonic() - started < 30
+    assert str(err.value) == ("no decision on creating the cpu data group: the member that "
+                              "took it never wrote it, and the job has failed: rank 1 on vm "
+                              "(pid 7) died")
+    assert not store.check(["verdict"])  # nobody was told "go"
+
+
+def test_a_decider_that_never_writes_is_named_at_twice_the_timeout():
+    store = host_store()
+    store.set("arrived/1", "1")
+    store.add("decider", 1)
+    with pytest.raises(HvdlikeInternalError) as err:
+        _arrive(store, 0, 2, datetime.timedelta(seconds=0.2), lambda: None, "control")
+    assert str(err.value) == ("no decision on creating the control group: the member that "
+                              "took it never wrote it")
+
+
 def test_closed_groups_refuse_to_make_a_group_again():
     # The teardown closed the set's groups while a user thread still ran a cycle: that
     # thread must fail at once, not rendezvous afresh under the first group's keys.
