@@ -225,8 +225,8 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
     if not _wants_grad(tensor):
         return ops.allreduce(tensor, average, name, compression, op, prescale_factor,
                              postscale_factor, process_set)
-    reduce_op = ops._reduce_op(average, op, "allreduce")
-    return _Allreduce.apply(tensor, name, ops.ReduceOp(reduce_op), prescale_factor,
+    reduce_op = ops.core.check_op(ops._reduce_op(average, op, "allreduce"), "allreduce")
+    return _Allreduce.apply(tensor, name, reduce_op, prescale_factor,
                             postscale_factor, process_set, compression)
 
 
@@ -237,7 +237,8 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
     if not (isinstance(tensors, (list, tuple)) and any(_wants_grad(t) for t in tensors)):
         return ops.grouped_allreduce(tensors, average, name, compression, op, prescale_factor,
                                      postscale_factor, process_set)
-    reduce_op = ops.ReduceOp(ops._reduce_op(average, op, "grouped_allreduce"))
+    reduce_op = ops.core.check_op(ops._reduce_op(average, op, "grouped_allreduce"),
+                                  "grouped_allreduce")
     if reduce_op not in (ops.Sum, ops.Average):
         raise ValueError("grouped_allreduce is differentiable for op Sum or Average only, "
                          f"got {reduce_op.name.title()}; detach the inputs")

@@ -8,14 +8,16 @@ mismatch error instead of a hang.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
+import inspect
+from typing import Any, Dict, List, Optional, Tuple
 
+import cloudpickle
 import torch
 
 from hvdlike.core.process_sets import global_process_set
 
 from . import ops
-from hvdlike.frontend.objects import broadcast_object
+from hvdlike.frontend.objects import allgather_object, broadcast_object  # noqa: F401 (re-exported)
 
 
 def _named_tensors(params, what: str) -> List[Tuple[str, torch.Tensor]]:
@@ -118,9 +120,21 @@ def _initialize_state(optimizer, sparse_params) -> None:
     from .optimizer import _Distributed
 
     if isinstance(optimizer, _Distributed):
-        super(_Distributed, optimizer).step()
+        _local_step(super(_Distributed, optimizer).step)
     else:
-        optimizer.step()
+        _local_step(optimizer.step)
+
+
+def _local_step(step) -> None:
+    """One ``step`` on the zero gradients; a closure when ``step`` demands one (LBFGS)."""
+    try:
+        closure = inspect.signature(step).parameters.get("closure")
+    except (TypeError, ValueError):  # no signature to read: call it plainly
+        closure = None
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        step(lambda: torch.zeros(()))  # the loss; the gradients are already zero
+    else:
+        step()
 
 
 def _sparse_parameters(model) -> set:
@@ -143,17 +157,25 @@ def broadcast_optimizer_state(optimizer, root_rank: int = 0, model=None,
     state yet (before its first step) is first given one, as in Horovod:
     zero gradients for its trainable parameters and one local step.
 
+    Before any tensor moves, every rank learns every other rank's optimizer
+    class and parameter shapes, so optimizers that do not fit the root's, or a
+    rank that could not prepare its state, fail the call on every rank alike.
+
     Args:
-        optimizer: a ``torch.optim.Optimizer`` (distributed or not) whose
-            parameter groups have the same sizes on every rank.
-        root_rank: the rank whose state wins.
+        optimizer: a ``torch.optim.Optimizer`` (distributed or not) of the same
+            class, with parameter groups of the same sizes and parameter
+            shapes, on every rank.
+        root_rank: the (global) rank whose state wins.
         model: optional; its sparse ``Embedding`` parameters get sparse zero
             gradients when the state is initialized.
         process_set: broadcast within this process set only.
 
     Raises:
         TypeError: ``optimizer`` is not an optimizer.
-        ValueError: the root's parameter groups do not fit this optimizer.
+        ValueError: ``root_rank`` is not a member of the set, or some rank's
+            optimizer does not fit the root's (on every rank).
+        RuntimeError: another rank failed to prepare its state (the rank that
+            failed raises its own error).
 
     Example:
         >>> hvd.broadcast_optimizer_state(opt, root_rank=0)
@@ -162,12 +184,36 @@ def broadcast_optimizer_state(optimizer, root_rank: int = 0, model=None,
         raise TypeError("broadcast_optimizer_state expects a torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}")
     sparse_params = _sparse_parameters(model)
-    if not optimizer.state_dict()["state"]:
-        _initialize_state(optimizer, sparse_params)
+    ops.core.check_root(root_rank, ops.api.size(), "broadcast_optimizer_state")
+    members = list(process_set.ranks)
+    if root_rank not in members:
+        raise ValueError(f"broadcast_optimizer_state: root_rank {root_rank} is not a member "
+                         f"of {process_set!r}")
     me = ops.api.rank()  # root_rank is a global rank, as in Horovod
     tensors: List[torch.Tensor] = []
-    skeleton = _strip(optimizer.state_dict(), tensors) if me == root_rank else None
-    skeleton = broadcast_object(skeleton, root_rank, process_set=process_set)
+    skeleton: Optional[bytes] = None
+    failure: Optional[BaseException] = None
+    try:
+        if not optimizer.state_dict()["state"]:
+            _initialize_state(optimizer, sparse_params)
+        if me == root_rank:
+            skeleton = cloudpickle.dumps(_strip(optimizer.state_dict(), tensors))
+    except Exception as exc:  # told to every rank below, then raised here
+        failure = exc
+    # Every rank takes part in this exchange whatever happened above, so a
+    # failure or a misfit is known everywhere before any tensor moves.
+    reports = allgather_object(
+        (_layout(optimizer), skeleton,
+         None if failure is None else f"{type(failure).__name__}: {failure}"),
+        process_set=process_set)
+    failed = [(rank, report[2]) for rank, report in zip(members, reports)
+              if report[2] is not None]
+    if failure is not None:
+        raise failure
+    if failed:
+        raise RuntimeError("broadcast_optimizer_state failed on " + "; ".join(
+            f"rank {rank}: {why}" for rank, why in failed))
+    _check_layouts(members, [report[0] for report in reports], root_rank)
     if me == root_rank:
         # State travels on the CPU plane; load_state_dict moves it to each parameter's device.
         handles = [ops.broadcast_async(t.detach().cpu(), root_rank, name=f"optimizer_state.{i}",
@@ -176,6 +222,7 @@ def broadcast_optimizer_state(optimizer, root_rank: int = 0, model=None,
         for handle in handles:
             ops.synchronize(handle)
         return
+    skeleton = cloudpickle.loads(reports[members.index(root_rank)][1])
     slots: List[_TensorSlot] = []
     _collect_slots(skeleton, slots)
     slots.sort(key=lambda s: s.index)
@@ -186,15 +233,39 @@ def broadcast_optimizer_state(optimizer, root_rank: int = 0, model=None,
     for handle in handles:
         ops.synchronize(handle)
     state_dict: Dict[str, Any] = _fill(skeleton, received)
-    mine = optimizer.param_groups
-    theirs = state_dict.get("param_groups", [])
-    if len(mine) != len(theirs) or any(len(a["params"]) != len(b["params"])
-                                       for a, b in zip(mine, theirs)):
-        raise ValueError(
-            f"broadcast_optimizer_state: rank {root_rank}'s optimizer has parameter groups of "
-            f"sizes {[len(g['params']) for g in theirs]}, this rank's has "
-            f"{[len(g['params']) for g in mine]}; build the same optimizer on every rank")
     optimizer.load_state_dict(state_dict)
+
+
+def _layout(optimizer) -> tuple:
+    """What must match the root's for its state to fit: class and parameter shapes."""
+    cls = type(optimizer)
+    return (f"{cls.__module__}.{cls.__qualname__}",
+            [[tuple(p.shape) for p in group["params"]] for group in optimizer.param_groups])
+
+
+def _describe_misfit(mine: tuple, root: tuple, root_rank: int) -> str:
+    (cls, groups), (root_cls, root_groups) = mine, root
+    if cls != root_cls:
+        return f"a {cls}, rank {root_rank}'s is a {root_cls}"
+    sizes, root_sizes = [len(g) for g in groups], [len(g) for g in root_groups]
+    if sizes != root_sizes:
+        return (f"parameter groups of sizes {sizes}, rank {root_rank}'s has "
+                f"{root_sizes}")
+    for gi, (group, root_group) in enumerate(zip(groups, root_groups)):
+        for pi, (shape, root_shape) in enumerate(zip(group, root_group)):
+            if shape != root_shape:
+                return (f"param_groups[{gi}]['params'][{pi}] of shape {list(shape)}, rank "
+                        f"{root_rank}'s is {list(root_shape)}")
+    return "a different layout"
+
+
+def _check_layouts(members: List[int], layouts: List[tuple], root_rank: int) -> None:
+    root = layouts[members.index(root_rank)]
+    misfits = [f"rank {rank}'s optimizer has {_describe_misfit(layout, root, root_rank)}"
+               for rank, layout in zip(members, layouts) if layout != root]
+    if misfits:
+        raise ValueError("broadcast_optimizer_state: " + "; ".join(misfits)
+                         + "; build the same optimizer for the same model on every rank")
 
 
 def _collect_slots(value: Any, out: List[_TensorSlot]) -> None:

@@ -12,7 +12,10 @@ form synchronizes it, ``_`` asks the builder to write into the input, and
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, List, Optional
+
+import torch
 
 from hvdlike.core import api, collectives as core
 from hvdlike.core.handles import Handle
@@ -41,6 +44,68 @@ def _reduce_op(average: Optional[bool], op: Any, what: str) -> ReduceOp:
     return Average if op is None else op
 
 
+def _check_device(tensor, what: str) -> None:
+    """Only CPU and CUDA tensors can be communicated.
+
+    Anything else (a ``meta`` tensor of a model built for deferred
+    initialization, say) would reach the data plane and fail the runtime for
+    every later collective, so it is refused here, before it is submitted.
+    """
+    if isinstance(tensor, torch.Tensor) and not tensor.is_cpu and not tensor.is_cuda:
+        raise TypeError(f"{what}: cannot communicate a tensor on device "
+                        f"{tensor.device.type!r}; hvdlike.torch moves CPU and CUDA tensors "
+                        "(materialize it or move it with .cpu() / .cuda() first)")
+
+
+def _check_devices(tensors, what: str) -> None:
+    if isinstance(tensors, (list, tuple)):
+        for t in tensors:
+            _check_device(t, what)
+    else:
+        _check_device(tensors, what)
+
+
+def _scale(value, argument: str, what: str) -> float:
+    """``value`` as a float, or a TypeError naming ``argument``."""
+    if type(value) is float:
+        return value
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real, torch.Tensor)) or (
+            isinstance(value, torch.Tensor) and (value.numel() != 1 or value.is_complex())):
+        raise TypeError(f"{what}: {argument} must be a real number, got "
+                        f"{type(value).__name__} {value!r:.60}")
+    return float(value)
+
+
+def _check_compression(compression, what: str) -> None:
+    if not (hasattr(compression, "compress") and hasattr(compression, "decompress")):
+        raise TypeError(f"{what}: compression needs compress() and decompress() (use "
+                        "Compression.none/.fp16/.bf16 or a Compressor subclass), got "
+                        f"{type(compression).__name__}")
+
+
+def _split_list(splits, what: str):
+    """``splits`` as a list of ints (None stays None), or a TypeError saying why not."""
+    if splits is None:
+        return None
+    if isinstance(splits, torch.Tensor):
+        if (splits.is_floating_point() or splits.is_complex() or splits.dtype == torch.bool
+                or splits.dim() > 1):
+            raise TypeError(f"{what}: splits must be a 1-D integer tensor or a list of ints, "
+                            f"got a {splits.dim()}-D {str(splits.dtype).replace('torch.', '')} "
+                            "tensor")
+        return [int(s) for s in splits.reshape(-1).tolist()]
+    if isinstance(splits, (str, bytes)) or not hasattr(splits, "__iter__"):
+        raise TypeError(f"{what}: splits must be a list of ints or a 1-D integer tensor, got "
+                        f"{type(splits).__name__} {splits!r:.60}")
+    out = []
+    for i, s in enumerate(splits):
+        if isinstance(s, bool) or not isinstance(s, numbers.Integral):
+            raise TypeError(f"{what}: splits must hold ints; splits[{i}] is "
+                            f"{type(s).__name__} {s!r:.40}")
+        out.append(int(s))
+    return out
+
+
 def _submit(entries, process_set):
     return submit(entries, process_set, "hvdlike.torch")
 
@@ -56,6 +121,9 @@ def _allreduce_entries(tensors, name, inplace, op, prescale_factor, postscale_fa
                        process_set, grouped):
     what = "grouped_allreduce" if grouped else "allreduce"
     reduce_op = core.check_op(op, what)  # before naming: a bad op takes no automatic name
+    _check_devices(tensors, what)
+    prescale_factor = _scale(prescale_factor, "prescale_factor", what)
+    postscale_factor = _scale(postscale_factor, "postscale_factor", what)
     if grouped:
         return core.grouped(core.allreduce_entry, tensors, _name(name, what, process_set), what,
                             op=reduce_op, prescale_factor=prescale_factor,
@@ -69,6 +137,11 @@ def _allreduce_async(tensor, name, inplace, op, prescale_factor, postscale_facto
     # _allreduce_entries and _submit for one tensor, flattened: the call
     # submitted by the hundred per step, where each Python call layer counts.
     reduce_op = core.check_op(op, "allreduce")  # before naming, as there
+    if type(tensor) is not torch.Tensor or not tensor.is_cpu:
+        _check_device(tensor, "allreduce")
+    if type(prescale_factor) is not float or type(postscale_factor) is not float:
+        prescale_factor = _scale(prescale_factor, "prescale_factor", "allreduce")
+        postscale_factor = _scale(postscale_factor, "postscale_factor", "allreduce")
     if type(name) is not str:
         name = _name(name, "allreduce", process_set)
     entry = core.allreduce_entry(tensor, name, reduce_op, prescale_factor, postscale_factor,
@@ -99,6 +172,7 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
     Example:
         >>> total = hvd.allreduce(torch.ones(3), op=hvd.Sum)   # == size() * ones
     """
+    _check_compression(compression, "allreduce")
     compressed, ctx = compression.compress(tensor)
     op = _reduce_op(average, op, "allreduce")
     entries = _allreduce_entries(compressed, name, False, op, prescale_factor, postscale_factor,
@@ -135,6 +209,7 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
                       prescale_factor=1.0, postscale_factor=1.0,
                       process_set=global_process_set) -> List:
     """Allreduce a list of tensors as one unit (negotiated and fused together)."""
+    _check_compression(compression, "grouped_allreduce")
     pairs = [compression.compress(t) for t in tensors] if isinstance(tensors, (list, tuple)) \
         else tensors
     if isinstance(pairs, list):
@@ -157,16 +232,19 @@ def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_facto
 
 def allgather_async(tensor, name=None, process_set=global_process_set) -> Handle:
     """Start gathering ``tensor`` from every rank along dimension 0."""
+    _check_device(tensor, "allgather")
     entry = core.allgather_entry(tensor, _name(name, "allgather", process_set))
     return _submit([entry], process_set)[0]
 
 
 def allgather(tensor, name=None, process_set=global_process_set):
     """Concatenate every rank's ``tensor`` along dimension 0 (sizes may differ)."""
+    _check_device(tensor, "allgather")
     return _run(core.allgather_entry(tensor, _name(name, "allgather", process_set)), process_set)
 
 
 def grouped_allgather_async(tensors, name=None, process_set=global_process_set) -> GroupHandle:
+    _check_devices(tensors, "grouped_allgather")
     entries = core.grouped(core.allgather_entry, tensors,
                            _name(name, "grouped_allgather", process_set),
                            "grouped_allgather")
@@ -182,6 +260,7 @@ def grouped_allgather(tensors, name=None, process_set=global_process_set) -> Lis
 
 def _broadcast_entry(tensor, root_rank, name, process_set, inplace):
     # root_rank is a global rank, as in Horovod; the runtime maps it into the set.
+    _check_device(tensor, "broadcast")
     return core.broadcast_entry(tensor, root_rank, api.size(),
                                 _name(name, "broadcast", process_set), inplace=inplace)
 
@@ -219,6 +298,8 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
 
 
 def _alltoall_entry(tensor, splits, name, process_set):
+    _check_device(tensor, "alltoall")
+    splits = _split_list(splits, "alltoall")
     entry = core.alltoall_entry(tensor, splits, _set_size(process_set),
                                 _name(name, "alltoall", process_set))
     if splits is None:
@@ -242,6 +323,9 @@ def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
 def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set,
                         prescale_factor=1.0, postscale_factor=1.0) -> Handle:
     """Start a reducescatter: reduce across ranks, keep this rank's slice of dim 0."""
+    _check_device(tensor, "reducescatter")
+    prescale_factor = _scale(prescale_factor, "prescale_factor", "reducescatter")
+    postscale_factor = _scale(postscale_factor, "postscale_factor", "reducescatter")
     entry = core.reducescatter_entry(tensor, _name(name, "reducescatter", process_set), op,
                                      prescale_factor, postscale_factor)
     return _submit([entry], process_set)[0]
@@ -253,6 +337,7 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
 
     Rank ``r`` receives ``d // size`` rows, plus one if ``r < d % size``.
     """
+    _check_compression(compression, "reducescatter")
     compressed, ctx = compression.compress(tensor)
     handle = reducescatter_async(compressed, name, op, process_set, prescale_factor,
                                  postscale_factor)
@@ -261,6 +346,9 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
 
 def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set,
                                 prescale_factor=1.0, postscale_factor=1.0) -> GroupHandle:
+    _check_devices(tensors, "grouped_reducescatter")
+    prescale_factor = _scale(prescale_factor, "prescale_factor", "grouped_reducescatter")
+    postscale_factor = _scale(postscale_factor, "postscale_factor", "grouped_reducescatter")
     entries = core.grouped(core.reducescatter_entry, tensors,
                            _name(name, "grouped_reducescatter", process_set),
                            "grouped_reducescatter", op=op,
@@ -271,6 +359,10 @@ def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=glob
 def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
                           process_set=global_process_set, prescale_factor=1.0,
                           postscale_factor=1.0) -> List:
+    _check_compression(compression, "grouped_reducescatter")
+    if not isinstance(tensors, (list, tuple)):
+        raise TypeError("grouped_reducescatter expects a list of tensors, got "
+                        f"{type(tensors).__name__}")
     pairs = [compression.compress(t) for t in tensors]
     handle = grouped_reducescatter_async([p[0] for p in pairs], name, op, process_set,
                                          prescale_factor, postscale_factor)

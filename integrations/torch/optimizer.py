@@ -161,8 +161,23 @@ class _Distributed:
                 loose.append(p)
         self._hvd_unhooked, self._hvd_loose = unhooked, loose
 
+    def _hvd_ordered_params(self) -> List[torch.Tensor]:
+        """The optimizer's parameters in an order every rank agrees on.
+
+        With ``named_parameters``, the order of those names (the model's
+        registration order), so that ranks whose ``param_groups`` list the same
+        parameters differently (built from a set, groups in another order) still
+        plan the same buckets and groups; without, the ``param_groups`` order,
+        which must then be the same everywhere anyway.
+        """
+        params = [p for _, _, p in self._hvd_params()]
+        if not self._hvd_user_names:
+            return params
+        mine = {id(p) for p in params}
+        return [p for p in self._hvd_user_names if id(p) in mine]
+
     def _hvd_build_groups(self, num_groups, groups) -> None:
-        dense = [p for _, _, p in self._hvd_params() if p.requires_grad]
+        dense = [p for p in self._hvd_ordered_params() if p.requires_grad]
         if groups is not None:
             if num_groups:
                 raise ValueError("DistributedOptimizer: pass num_groups or groups, not both")
@@ -198,8 +213,8 @@ class _Distributed:
     def _hvd_build_buckets(self, as_views: bool) -> None:
         """Pack dense trainable parameters into flat buckets (see buckets.py)."""
         threshold = _core_api.runtime().config.fusion_threshold
-        params = [p for _, _, p in self._hvd_params()]
-        self._hvd_buckets = _buckets.plan(params, self._hvd_names, threshold, as_views)
+        self._hvd_buckets = _buckets.plan(self._hvd_ordered_params(), self._hvd_names,
+                                          threshold, as_views)
         for bucket in self._hvd_buckets:
             bucket.direct = self._hvd_k == 1
             for slot, p in enumerate(bucket.members):

@@ -34,7 +34,7 @@ class SparseHandle(ops.GroupHandle):
         return ops.synchronize(self)
 
     def result(self, results: List[Any]) -> torch.Tensor:
-        indices, values = results
+        indices, values = results[:2]
         if self._average:
             values = values / self._size
         # Indices come from every rank's tensor of this shape: valid by construction.
@@ -66,7 +66,14 @@ def sparse_allreduce_async(tensor, name=None, op=ops.Average,
     # entries as they are, duplicates included (Horovod sends them so too).
     indices = tensor._indices().t().contiguous()
     values = tensor._values().contiguous()
+    # The indices say nothing of the dense size: ranks holding tensors of
+    # different shapes would build a result whose indices fall outside it.
+    # An empty tensor whose trailing dimensions are that shape makes the
+    # coordinator compare the shapes (a MismatchError on every rank) and moves
+    # no data.
+    shape = torch.empty((0,) + tuple(tensor.shape), dtype=torch.uint8)
     handles = [ops.allgather_async(indices, name=f"{name}.indices", process_set=process_set),
-               ops.allgather_async(values, name=f"{name}.values", process_set=process_set)]
+               ops.allgather_async(values, name=f"{name}.values", process_set=process_set),
+               ops.allgather_async(shape, name=f"{name}.dense_shape", process_set=process_set)]
     size = ops._set_size(process_set)
     return SparseHandle(handles, tuple(tensor.shape), op == ops.Average, size)

@@ -1,0 +1,216 @@
+"""Ranks that disagree, seen through hvdlike.torch: every rank gets a clear error (or
+the right answer) in bounded time, and the job goes on."""
+
+from tests.multiproc.harness import run_ranks
+
+# A divergence these tests are meant to prevent must not cost the default 30 s.
+FAST_DEADLOCK = {"HVDLIKE_DEADLOCK_TIME_SECONDS": "5"}
+
+
+def _outcome(fn):
+    try:
+        fn()
+        return "ok"
+    except Exception as exc:  # noqa: BLE001 - the test compares what each rank saw
+        return f"{type(exc).__name__}: {exc}"
+
+
+def _misfit_optimizers():
+    import torch
+    import torch.nn as nn
+
+    import hvdlike.torch as hvd
+
+    torch.set_num_threads(1)
+    hvd.init()
+    r = hvd.rank()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    params = list(model.parameters())
+    report = {}
+    # fewer parameters on rank 1
+    opt = torch.optim.SGD(params if r == 0 else params[:3], lr=0.1, momentum=0.9)
+    report["sizes"] = _outcome(lambda: hvd.broadcast_optimizer_state(opt, root_rank=0))
+    # another optimizer class on rank 1 (its state would not fit: KeyError at load)
+    opt = (torch.optim.SGD(params, lr=0.1, momentum=0.9) if r == 0
+           else torch.optim.Adam(params, lr=0.1))
+    report["class"] = _outcome(lambda: hvd.broadcast_optimizer_state(opt, root_rank=0))
+    # another model on rank 1: the root's momentum would be loaded for wrong shapes
+    other = nn.Linear(3, 2 + r)
+    opt = torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9)
+    report["shapes"] = _outcome(lambda: hvd.broadcast_optimizer_state(opt, root_rank=0))
+    # the job is still in step: a collective right after works on both ranks
+    report["after"] = hvd.allreduce(torch.ones(1), op=hvd.Sum, name="after").item()
+    hvd.shutdown()
+    return report
+
+
+def test_optimizers_that_do_not_fit_the_roots_fail_on_every_rank():
+    results = run_ranks(_misfit_optimizers, np=2, timeout=120, env=FAST_DEADLOCK)
+    assert results[0] == results[1], results  # the same error everywhere, root included
+    report = results[0]
+    assert report["sizes"] == (
+        "ValueError: broadcast_optimizer_state: rank 1's optimizer has parameter groups of "
+        "sizes [3], rank 0's has [4]; build the same optimizer for the same model on every "
+        "rank"), report
+    assert report["class"].startswith(
+        "ValueError: broadcast_optimizer_state: rank 1's optimizer has a "
+        "torch.optim.adam.Adam, rank 0's is a torch.optim.sgd.SGD"), report
+    assert report["shapes"].startswith(
+        "ValueError: broadcast_optimizer_state: rank 1's optimizer has "
+        "param_groups[0]['params'][0] of shape [3, 3], rank 0's is [2, 3]"), report
+    assert report["after"] == 2.0
+
+
+def _state_init_fails_on_one_rank():
+    import torch
+    import torch.nn as nn
+
+    import hvdlike.torch as hvd
+
+    torch.set_num_threads(1)
+    hvd.init()
+
+    class Fragile(torch.optim.SGD):
+        def step(self, closure=None):
+            if hvd.rank() == 1:
+                raise ArithmeticError("no step on this rank")
+            return super().step(closure)
+
+    model = nn.Linear(3, 1)
+    opt = Fragile(model.parameters(), lr=0.1, momentum=0.9)
+    outcome = _outcome(lambda: hvd.broadcast_optimizer_state(opt, root_rank=0))
+    after = hvd.allreduce(torch.ones(1), op=hvd.Sum, name="after").item()
+    hvd.shutdown()
+    return outcome, after
+
+
+def test_a_rank_that_cannot_prepare_its_state_fails_every_rank():
+    results = run_ranks(_state_init_fails_on_one_rank, np=2, timeout=120, env=FAST_DEADLOCK)
+    assert results[0] == ("RuntimeError: broadcast_optimizer_state failed on rank 1: "
+                          "ArithmeticError: no step on this rank", 2.0), results
+    assert results[1] == ("ArithmeticError: no step on this rank", 2.0), results
+
+
+def _lbfgs_root_stepped_other_fresh():
+    import torch
+    import torch.nn as nn
+
+    import hvdlike.torch as hvd
+
+    torch.set_num_threads(1)
+    hvd.init()
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.1 * (hvd.rank() + 1))
+    x, y = torch.randn(8, 3), torch.randn(8, 1)
+
+    def closure():
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+
+    if hvd.rank() == 0:
+        opt.step(closure)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    state = opt.state_dict()
+    summary = (state["param_groups"][0]["lr"], state["state"][0]["n_iter"],
+               round(float(state["state"][0]["d"].sum()), 6))
+    hvd.shutdown()
+    return summary
+
+
+def test_lbfgs_state_reaches_a_rank_whose_optimizer_never_stepped():
+    results = run_ranks(_lbfgs_root_stepped_other_fresh, np=2, timeout=120, env=FAST_DEADLOCK)
+    assert results[0] == results[1], results
+    assert results[0][0] == 0.1 and results[0][1] >= 1, results
+
+
+def _param_groups_in_another_order():
+    import torch
+    import torch.nn as nn
+
+    import hvdlike.torch as hvd
+
+    torch.set_num_threads(1)
+    hvd.init()
+    r = hvd.rank()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    named = list(model.named_parameters())
+    weights = [p for n, p in named if n.endswith("weight")]
+    biases = [p for n, p in named if n.endswith("bias")]
+    # the same parameters, listed differently on each rank (as built from a set would be)
+    groups = ([{"params": weights}, {"params": biases, "lr": 0.0}] if r == 0
+              else [{"params": biases[::-1], "lr": 0.0}, {"params": weights[::-1]}])
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(groups, lr=0.1),
+                                   named_parameters=model.named_parameters())
+    torch.manual_seed(1 + r)
+    x = torch.randn(5, 3)
+    model(x).sum().backward()
+    local = {n: p.grad.clone() for n, p in model.named_parameters()}
+    opt.step()
+    reduced = {n: p.grad.clone() for n, p in model.named_parameters()}
+    hvd.shutdown()
+    return local, reduced
+
+
+def test_ranks_listing_parameters_in_different_orders_still_agree():
+    # Horovod matches gradients by name; buckets used to follow the param_groups order
+    # and such ranks waited on differently named buckets until the deadlock check.
+    results = run_ranks(_param_groups_in_another_order, np=2, timeout=120, env=FAST_DEADLOCK)
+    (local0, reduced0), (local1, reduced1) = results
+    for name in local0:
+        expected = (local0[name] + local1[name]) / 2
+        assert reduced0[name].allclose(expected), name
+        assert reduced1[name].allclose(expected), name
+
+
+def _sparse_shapes_differ():
+    import torch
+
+    import hvdlike.torch as hvd
+
+    torch.set_num_threads(1)
+    hvd.init()
+    r = hvd.rank()
+    # rank 1's index 6 lies outside rank 0's dense size 4
+    t = torch.sparse_coo_tensor(torch.tensor([[1 + 5 * r]]), torch.tensor([1.0]), (4 + 6 * r,))
+    outcome = _outcome(lambda: hvd.synchronize(hvd.sparse_allreduce_async(t, name="sp")))
+    same = torch.sparse_coo_tensor(torch.tensor([[r]]), torch.tensor([1.0]), (3,))
+    total = hvd.synchronize(hvd.sparse_allreduce_async(same, name="sp2", op=hvd.Sum))
+    hvd.shutdown()
+    return outcome, total.to_dense().tolist()
+
+
+def test_sparse_allreduce_of_different_dense_shapes_is_a_mismatch_on_every_rank():
+    results = run_ranks(_sparse_shapes_differ, np=2, timeout=120, env=FAST_DEADLOCK)
+    for outcome, total in results:
+        assert outcome.startswith("MismatchError: ranks disagree on the shape beyond the first "
+                                  "dimension of collective 'sp.dense_shape'"), outcome
+        assert "uint8 0x4" in outcome and "uint8 0x10" in outcome, outcome
+        assert total == [1.0, 1.0, 0.0]
+
+
+def _meta_tensors():
+    import torch
+
+    import hvdlike.torch as hvd
+
+    torch.set_num_threads(1)
+    hvd.init()
+    with torch.device("meta"):
+        model = torch.nn.Linear(2, 2)  # built for deferred initialization
+    outcome = _outcome(lambda: hvd.broadcast_parameters(model.state_dict(), root_rank=0))
+    after = hvd.allreduce(torch.ones(1), op=hvd.Sum, name="after").item()
+    hvd.shutdown()
+    return outcome, after
+
+
+def test_meta_tensors_are_refused_before_they_reach_the_data_plane():
+    results = run_ranks(_meta_tensors, np=2, timeout=120, env=FAST_DEADLOCK)
+    for outcome, after in results:
+        assert outcome.startswith("TypeError: broadcast: cannot communicate a tensor on device "
+                                  "'meta'"), outcome
+        assert after == 2.0
