@@ -19,8 +19,32 @@ from .submit import submit, synchronize
 _FRONTEND = "hvdlike"
 
 
-def _to_tensor(obj) -> torch.Tensor:
-    return torch.frombuffer(bytearray(cloudpickle.dumps(obj)), dtype=torch.uint8)
+class _Unpicklable:
+    """Sent in place of an object its rank could not pickle.
+
+    The call then fails on every rank -- the others with a ``RuntimeError``
+    naming that rank and the cause -- rather than leaving them waiting for
+    data that will never come.
+    """
+
+    def __init__(self, rank: int, error: BaseException):
+        self.rank = rank
+        self.why = f"{type(error).__name__}: {error}"
+
+    def raise_here(self, what: str):
+        raise RuntimeError(f"{what}: rank {self.rank} could not pickle its object ({self.why})")
+
+
+def _pickled(obj):
+    """(bytes to send, the pickling error or None)."""
+    try:
+        return cloudpickle.dumps(obj), None
+    except Exception as exc:  # anything pickling raises (TypeError, PicklingError, ...)
+        return cloudpickle.dumps(_Unpicklable(api.rank(), exc)), exc
+
+
+def _to_tensor(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
 def _broadcast(tensor: torch.Tensor, root_rank: int, name: str, process_set) -> torch.Tensor:
@@ -42,23 +66,37 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set
     """
     name = name or api.runtime().auto_name("broadcast_object", resolve(process_set))
     me = api.rank()  # root_rank is a global rank, as in Horovod
-    payload = _to_tensor(obj) if me == root_rank else None
+    payload, failure = None, None
+    if me == root_rank:
+        data, failure = _pickled(obj)
+        payload = _to_tensor(data)
     length = torch.tensor([payload.numel() if payload is not None else 0], dtype=torch.int64)
     length = _broadcast(length, root_rank, f"{name}.size", process_set)
     data = payload if payload is not None else torch.empty(int(length.item()), dtype=torch.uint8)
     data = _broadcast(data, root_rank, f"{name}.data", process_set)
-    return cloudpickle.loads(data.numpy().tobytes())
+    if failure is not None:
+        raise failure
+    value = cloudpickle.loads(data.numpy().tobytes())
+    if isinstance(value, _Unpicklable):
+        value.raise_here("broadcast_object")
+    return value
 
 
 def allgather_object(obj, name=None, process_set=global_process_set) -> list:
     """Return the list of every rank's ``obj``, in rank order."""
     name = name or api.runtime().auto_name("allgather_object", resolve(process_set))
-    payload = _to_tensor(obj)
+    pickled, failure = _pickled(obj)
+    payload = _to_tensor(pickled)
     sizes = _allgather(torch.tensor([payload.numel()], dtype=torch.int64), f"{name}.size",
                        process_set)
     data = _allgather(payload, f"{name}.data", process_set)
+    if failure is not None:
+        raise failure
     out, start = [], 0
     for n in sizes.tolist():
         out.append(cloudpickle.loads(data[start:start + n].numpy().tobytes()))
         start += n
+    for value in out:
+        if isinstance(value, _Unpicklable):
+            value.raise_here("allgather_object")
     return out

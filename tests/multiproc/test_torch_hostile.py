@@ -214,3 +214,41 @@ def test_meta_tensors_are_refused_before_they_reach_the_data_plane():
         assert outcome.startswith("TypeError: broadcast: cannot communicate a tensor on device "
                                   "'meta'"), outcome
         assert after == 2.0
+
+
+def _unpicklable_objects():
+    import threading
+
+    import torch
+
+    import hvdlike.torch as hvd
+
+    torch.set_num_threads(1)
+    hvd.init()
+    r = hvd.rank()
+    report = {
+        # rank 1 cannot pickle its object: everyone must fail, not wait for its bytes
+        "gather": _outcome(lambda: hvd.allgather_object(threading.Lock() if r == 1 else r)),
+        # the root cannot pickle what it broadcasts
+        "broadcast": _outcome(lambda: hvd.broadcast_object(
+            threading.Lock() if r == 0 else None, root_rank=0)),
+        # and the job goes on: the next calls work on both ranks
+        "after": hvd.allgather_object({"rank": r}),
+        "after_broadcast": hvd.broadcast_object("fine" if r == 1 else None, root_rank=1),
+    }
+    hvd.shutdown()
+    return report
+
+
+def test_an_object_one_rank_cannot_pickle_fails_every_rank_and_the_job_goes_on():
+    results = run_ranks(_unpicklable_objects, np=2, timeout=120, env=FAST_DEADLOCK)
+    lock = "TypeError: cannot pickle '_thread.lock' object"
+    assert results[1]["gather"] == lock, results
+    assert results[0]["gather"] == ("RuntimeError: allgather_object: rank 1 could not pickle "
+                                    f"its object ({lock})"), results
+    assert results[0]["broadcast"] == lock, results
+    assert results[1]["broadcast"] == ("RuntimeError: broadcast_object: rank 0 could not "
+                                       f"pickle its object ({lock})"), results
+    for report in results:
+        assert report["after"] == [{"rank": 0}, {"rank": 1}], results
+        assert report["after_broadcast"] == "fine", results
