@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from typing import Any, Callable, Mapping, Optional
 
 from .errors import ConfigError
@@ -38,22 +39,39 @@ def _parse_bool(text: str) -> bool:
     raise ValueError("a boolean (1/0, true/false, yes/no, on/off)")
 
 
-def _non_negative(kind: Callable[[str], Any], what: str) -> Callable[[str], Any]:
+MAX_SECONDS = 1e8
+"""The longest duration a time knob accepts (about three years): timeouts beyond it
+overflow the clocks of the engines underneath (Python's locks, Gloo, TCPStore)."""
+
+
+def _non_negative(kind: Callable[[str], Any], what: str,
+                  most: Optional[float] = None) -> Callable[[str], Any]:
     def parse(text: str) -> Any:
         try:
             value = kind(text.strip())
         except ValueError:
             raise ValueError(what) from None
-        if value < 0:
+        # nan compares false with everything: check it is a finite number in range.
+        if not (0 <= value < math.inf) or (most is not None and value > most):
             raise ValueError(what)
         return value
 
     return parse
 
 
-def _positive(kind: Callable[[str], Any], what: str) -> Callable[[str], Any]:
-    inner = _non_negative(kind, what)
+MAX_CYCLE_TIME_MS = 60_000.0
+"""The longest cycle time: every collective waits up to a cycle, so beyond a minute
+a job would only seem to hang (and outlast its own collective timeout)."""
 
+
+def _duration(what: str, positive: bool, most: float = MAX_SECONDS) -> Callable[[str], float]:
+    """A finite non-negative time, at most ``most``."""
+    what = f"{what}, at most {most:g}"
+    parse = _non_negative(float, what, most)
+    return _positive_value(parse, what) if positive else parse
+
+
+def _positive_value(inner: Callable[[str], Any], what: str) -> Callable[[str], Any]:
     def parse(text: str) -> Any:
         value = inner(text)
         if value == 0:
@@ -61,6 +79,10 @@ def _positive(kind: Callable[[str], Any], what: str) -> Callable[[str], Any]:
         return value
 
     return parse
+
+
+def _positive(kind: Callable[[str], Any], what: str) -> Callable[[str], Any]:
+    return _positive_value(_non_negative(kind, what), what)
 
 
 def _at_least(low: int, what: str) -> Callable[[str], int]:
@@ -150,7 +172,8 @@ KNOBS = (
     Knob("fusion_threshold", 128 * MIB, _non_negative(int, "a byte count >= 0 (0 disables fusion)"),
          "fusion buffer size in bytes; 0 disables tensor fusion",
          flag="--fusion-threshold-mb", flag_scale=MIB),
-    Knob("cycle_time", 1.0, _non_negative(float, "milliseconds >= 0 (float)"),
+    Knob("cycle_time", 1.0, _duration("milliseconds >= 0 (float)", positive=False,
+                                      most=MAX_CYCLE_TIME_MS),
          "milliseconds between background negotiation cycles",
          flag="--cycle-time-ms"),
     Knob("cache_capacity", 1024, _non_negative(int, "an integer >= 0 (0 disables the response cache)"),
@@ -184,20 +207,20 @@ KNOBS = (
     Knob("stall_check_disable", False, _parse_bool,
          "disable the stall inspector",
          flag="--no-stall-check"),
-    Knob("stall_check_time_seconds", 60.0, _positive(float, "seconds > 0"),
+    Knob("stall_check_time_seconds", 60.0, _duration("seconds > 0", positive=True),
          "warn when some ranks wait this long for others to submit a tensor",
          flag="--stall-check-warning-time-seconds"),
-    Knob("stall_shutdown_time_seconds", 0.0, _non_negative(float, "seconds >= 0 (0 = never)"),
+    Knob("stall_shutdown_time_seconds", 0.0, _duration("seconds >= 0 (0 = never)", positive=False),
          "raise on every rank after a stall this long (0 = never)",
          flag="--stall-check-shutdown-time-seconds"),
-    Knob("deadlock_time_seconds", 30.0, _non_negative(float, "seconds >= 0 (0 = never)"),
+    Knob("deadlock_time_seconds", 30.0, _duration("seconds >= 0 (0 = never)", positive=False),
          "raise on every rank when every rank of a group has waited this long on collectives "
          "that cannot complete (the ranks' programs diverged; 0 = never)",
          flag="--deadlock-time-seconds"),
-    Knob("gloo_timeout_seconds", 30.0, _positive(float, "seconds > 0"),
+    Knob("gloo_timeout_seconds", 30.0, _duration("seconds > 0", positive=True),
          "timeout of every data-plane collective and of dead-peer detection",
          flag="--gloo-timeout-seconds"),
-    Knob("start_timeout", 60.0, _positive(float, "seconds > 0"),
+    Knob("start_timeout", 60.0, _duration("seconds > 0", positive=True),
          "seconds init() waits for every rank to reach the rendezvous",
          flag="--start-timeout"),
     Knob("dynamic_process_sets", False, _parse_bool,

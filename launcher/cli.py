@@ -51,7 +51,8 @@ Failure
     which rank failed, on which host, how (exit code or signal) and the last
     lines of its stderr, and exits with the rank's exit code (128+N for signal
     N). Ctrl-C or SIGTERM on the launcher stops every rank the same way (a
-    second Ctrl-C kills at once) and exits with 130 / 143. If the launcher
+    second Ctrl-C kills at once) and exits with 130 / 143; so does a closed
+    stdout (``hvdlike-run ... | head``), with 141. If the launcher
     itself is killed, ranks notice their closed stdin and stop: nothing is left
     behind. Bad input (malformed hosts, ``-np`` out of range, unknown flag,
     missing command, unreachable host) ends with a one-line reason and exit
@@ -66,18 +67,20 @@ Elastic jobs
 
 Exit status
     0 all ranks succeeded; the failed rank's status; 2 bad input; 130/143
-    interrupted.
+    interrupted; 141 the launcher's stdout was closed.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from typing import NoReturn, Optional, Sequence
 
 from hvdlike.core import config as core_config
 
 from .errors import LaunchError
+from .hosts import MAX_RANKS
 from .launch_config import (
     LaunchConfig,
     SshOptions,
@@ -105,11 +108,26 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(USAGE_ERROR)
 
 
-def _positive_int(text: str) -> int:
+def _integer(text: str) -> int:
     try:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+
+
+def _rank_count(text: str) -> int:
+    """A number of ranks; below 1 is refused downstream with the flag's own message."""
+    value = _integer(text)
+    if value > MAX_RANKS:
+        raise argparse.ArgumentTypeError(f"{text!r} is more than the limit of {MAX_RANKS}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = _integer(text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (1-65535)")
+    return value
 
 
 def _seconds(text: str) -> float:
@@ -117,8 +135,12 @@ def _seconds(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if value != value or value == math.inf:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds")
     if value < 0:
         raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
+    if value > core_config.MAX_SECONDS:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at most {core_config.MAX_SECONDS:g}")
     return value
 
 
@@ -130,15 +152,15 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start a Horovod-style data-parallel job (see docs/launcher.md).",
     )
     add = parser.add_argument
-    add("-np", "--num-proc", dest="np", type=_positive_int, metavar="N",
+    add("-np", "--num-proc", dest="np", type=_rank_count, metavar="N",
         help="number of ranks (default: every slot)")
     add("-H", "--hosts", metavar="HOST:SLOTS,...", help="hosts and slots, e.g. h1:4,h2:4")
     add("--hostfile", metavar="FILE", help="file of 'host slots=N' lines")
-    add("-p", "--ssh-port", type=_positive_int, metavar="PORT", help="ssh port of remote hosts")
+    add("-p", "--ssh-port", type=_port, metavar="PORT", help="ssh port of remote hosts")
     add("-i", "--ssh-identity-file", metavar="FILE", help="ssh private key")
     add("--ssh-option", action="append", default=[], metavar="KEY=VALUE",
         help="extra ssh -o option (repeatable)")
-    add("--network-interface", default="", metavar="IFACE",
+    add("--network-interface", metavar="IFACE",
         help="interface for the rendezvous store and Gloo (default: the one routing to the hosts)")
     add("--remote-python", metavar="PATH", default=sys.executable,
         help="Python on remote hosts (default: this launcher's interpreter path)")
@@ -156,15 +178,15 @@ def build_parser() -> argparse.ArgumentParser:
         help='extra mpirun arguments as one string; write --mpi-args="-x ..." when it starts with -')
     add("--version", action="version", version=f"{PROG} {_version()}")
     elastic = parser.add_argument_group("elastic jobs (see docs/elastic.md)")
-    elastic.add_argument("--min-np", type=_positive_int, metavar="N",
+    elastic.add_argument("--min-np", type=_rank_count, metavar="N",
                          help="fewest ranks the job runs with (default: -np)")
-    elastic.add_argument("--max-np", type=_positive_int, metavar="N",
+    elastic.add_argument("--max-np", type=_rank_count, metavar="N",
                          help="most ranks the job grows to (default: every usable slot)")
     elastic.add_argument("--host-discovery-script", metavar="SCRIPT",
                          help="executable printing one host[:slots] per line; re-run every second")
-    elastic.add_argument("--slots-per-host", type=_positive_int, metavar="N",
+    elastic.add_argument("--slots-per-host", type=_rank_count, metavar="N",
                          help="slots of a discovered host that names none (default 1)")
-    elastic.add_argument("--reset-limit", type=_positive_int, metavar="N",
+    elastic.add_argument("--reset-limit", type=_integer, metavar="N",
                          help="fail once the job would re-form more than N times")
     elastic.add_argument("--elastic-timeout", type=_seconds, metavar="S",
                          help="fail after S seconds below --min-np (default 600)")
@@ -210,6 +232,17 @@ def to_config(args: argparse.Namespace) -> LaunchConfig:
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
+    for flag, value in (("--hostfile", args.hostfile), ("--output-filename", args.output_filename),
+                        ("-i/--ssh-identity-file", args.ssh_identity_file),
+                        ("--remote-python", args.remote_python),
+                        ("--network-interface", args.network_interface),
+                        ("--host-discovery-script", args.host_discovery_script)):
+        if value is not None and not value.strip():
+            raise LaunchError(f"{flag} is empty")
+    try:
+        mpi_args = shlex.split(args.mpi_args)
+    except ValueError as exc:  # e.g. an unbalanced quote
+        raise LaunchError(f"--mpi-args {args.mpi_args!r} is not valid: {exc}") from None
     knob_values = {name[len("knob_"):]: value for name, value in vars(args).items()
                    if name.startswith("knob_")}
     import os
@@ -233,7 +266,7 @@ def to_config(args: argparse.Namespace) -> LaunchConfig:
         np=args.np,
         ssh=SshOptions(port=args.ssh_port, identity_file=args.ssh_identity_file,
                        options=list(args.ssh_option)),
-        network_interface=args.network_interface,
+        network_interface=args.network_interface or "",
         knob_env=knob_environment(knob_values),
         grace_seconds=args.grace_period_seconds,
         output_dir=args.output_filename,
@@ -242,7 +275,7 @@ def to_config(args: argparse.Namespace) -> LaunchConfig:
         preflight=not args.skip_preflight,
         use_mpi=args.mpi,
         use_srun=bool(allocated) and not args.mpi,
-        mpi_args=shlex.split(args.mpi_args),
+        mpi_args=mpi_args,
         remote_python=args.remote_python,
     )
     from .elastic.launch import is_elastic, settings_from_flags
@@ -273,8 +306,11 @@ def to_config(args: argparse.Namespace) -> LaunchConfig:
 
 
 def _say(text: str) -> None:
-    sys.stderr.write(f"{PROG}: {text}\n")
-    sys.stderr.flush()
+    try:
+        sys.stderr.write(f"{PROG}: {text}\n")
+        sys.stderr.flush()
+    except (AttributeError, OSError, ValueError):
+        pass  # stderr is closed or its reader is gone: nobody to tell
 
 
 def execute(config: LaunchConfig) -> int:
@@ -289,6 +325,11 @@ def execute(config: LaunchConfig) -> int:
         from .mpi_exec import run_with_mpirun
 
         np = len(assign_ranks(config.hosts, config.np))
+        from .job import check_local_command
+        from .rendezvous import is_local
+
+        if not config.dry_run and all(is_local(h.host) for h in config.hosts):
+            check_local_command(config.command, config.cwd, config.environ.get("PATH"))
         return run_with_mpirun(config, np, dry_run=config.dry_run, verbose=print)
     if config.elastic is not None:
         from .elastic.launch import run_elastic

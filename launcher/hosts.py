@@ -40,9 +40,17 @@ class RankPlacement:
         return self.topology.rank
 
 
+MAX_RANKS = 65536
+"""The most ranks a job (and slots a host) may have: larger counts are typing mistakes,
+and would exhaust this machine's memory before any rank started."""
+
+
 def _slots(text: str, where: str) -> int:
-    if not text.isdigit() or int(text) < 1:
+    # ASCII digits only: str.isdigit() also accepts '²' or '٣'.
+    if not (text.isascii() and text.isdigit()) or int(text) < 1:
         raise LaunchError(f"{where}: slots {text!r} must be a positive integer")
+    if int(text) > MAX_RANKS:
+        raise LaunchError(f"{where}: slots {text!r} is more than the limit of {MAX_RANKS}")
     return int(text)
 
 
@@ -102,12 +110,18 @@ def parse_hostfile(text: str, name: str = "hostfile") -> List[HostSlots]:
             raise LaunchError(f"{where} is not valid: expected 'host slots=N'")
         host, slots_text = match.groups()
         slots = 1 if slots_text is None else _slots(slots_text, where)
+        given = set() if slots_text is None else {"slots"}
         for token in tokens[1:]:
             option = re.fullmatch(r"(slots|max_slots|max-slots)=(\S*)", token)
             if option is None:
                 raise LaunchError(f"{where} is not valid: expected 'host slots=N'")
-            if option.group(1) == "slots":
-                slots = _slots(option.group(2), where)
+            key = "slots" if option.group(1) == "slots" else "max_slots"
+            if key in given:
+                raise LaunchError(f"{where} gives {key} twice")
+            given.add(key)
+            value = _slots(option.group(2), where)  # max_slots is checked, then unused
+            if key == "slots":
+                slots = value
         result.append(HostSlots(_strip_brackets(host), slots))
     if not result:
         raise LaunchError(f"{name} lists no hosts")
@@ -160,6 +174,8 @@ def assign_ranks(hosts: Sequence[HostSlots], np: Optional[int]) -> List[RankPlac
         np = total
     if np < 1:
         raise LaunchError(f"-np {np} is not valid: expected at least 1 process")
+    if np > MAX_RANKS:
+        raise LaunchError(f"-np {np} is not valid: expected at most {MAX_RANKS} processes")
     if np > total:
         listed = ", ".join(f"{h.host}:{h.slots}" for h in hosts)
         raise LaunchError(f"-np {np} is more than the {total} slot(s) available ({listed})")

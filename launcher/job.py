@@ -30,6 +30,8 @@ def check_local_command(command: List[str], cwd: str, path: Optional[str]) -> No
     if not command:
         raise LaunchError("no command given: usage is hvdlike-run [options] command [args...]")
     program = command[0]
+    if not program.strip():
+        raise LaunchError(f"the command is an empty string ({program!r})")
     if os.sep in program:
         full = os.path.join(cwd, program)
         if not os.path.isfile(full):
@@ -38,6 +40,19 @@ def check_local_command(command: List[str], cwd: str, path: Optional[str]) -> No
             raise LaunchError(f"command is not executable: {program}")
     elif shutil.which(program, path=path) is None:
         raise LaunchError(f"command not found: {program}")
+
+
+def check_writable_file(path: str, cwd: str, what: str) -> None:
+    """Fail early, in one line, when a rank on this machine could not create ``path``."""
+    full = os.path.join(cwd, path)
+    if os.path.isdir(full):
+        raise LaunchError(f"{what} {path}: is a directory")
+    folder = os.path.dirname(full) or "."
+    if not os.path.isdir(folder):
+        raise LaunchError(f"{what} {path}: directory {folder} does not exist")
+    if os.path.exists(full) and not os.access(full, os.W_OK) \
+            or not os.path.exists(full) and not os.access(folder, os.W_OK | os.X_OK):
+        raise LaunchError(f"{what} {path}: permission denied")
 
 
 class Job:
@@ -77,15 +92,42 @@ class Job:
         if cfg.output_dir:
             try:
                 for p in self.placements:
-                    os.makedirs(os.path.join(cfg.output_dir, f"rank.{p.rank}"), exist_ok=True)
+                    folder = os.path.join(cfg.output_dir, f"rank.{p.rank}")
+                    os.makedirs(folder, exist_ok=True)
+                    for stream in ("stdout", "stderr"):  # writable files, not folders
+                        open(os.path.join(folder, stream), "a", encoding="utf-8").close()
             except OSError as exc:
-                raise LaunchError(f"--output-filename {cfg.output_dir}: {exc.strerror or exc}") from None
+                where = f" ({exc.filename})" if exc.filename else ""
+                raise LaunchError(f"--output-filename {cfg.output_dir}: "
+                                  f"{exc.strerror or exc}{where}") from None
+        self._check_rank_files()
         if self.remote_hosts and cfg.preflight and not cfg.use_srun:
             checks = check_hosts(self.remote_hosts, cfg.ssh, cfg.remote_python, cfg.cwd,
                                  cfg.command[0], path or "", cfg.start_timeout,
                                  verbose=lambda argv: self._verbose(f"pre-flight: {argv}"))
             require_all_ok(checks)
             self.helper_scripts = {check.host: check.helper for check in checks}
+
+    def _check_rank_files(self) -> None:
+        """The timeline and autotune log that ranks on this machine will write."""
+        from hvdlike.core.timeline import configured_path
+
+        from .launch_config import effective_settings
+
+        cfg = self.config
+        if cfg.use_srun:
+            return
+        settings = effective_settings(cfg)
+        timeline = configured_path(settings.timeline)
+        for p in self.placements:
+            if not self.local[p.host]:
+                continue
+            if timeline and ("{rank}" in timeline or p.rank == 0):
+                check_writable_file(timeline.replace("{rank}", str(p.rank)), cfg.cwd,
+                                    "--timeline-filename (HVDLIKE_TIMELINE)")
+            if settings.autotune and settings.autotune_log and p.rank == 0:
+                check_writable_file(settings.autotune_log, cfg.cwd,
+                                    "--autotune-log-file (HVDLIKE_AUTOTUNE_LOG)")
 
     def __enter__(self) -> "Job":
         self.check()

@@ -8,6 +8,7 @@ this object.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import sys
 from typing import Dict, List, Mapping, Optional
@@ -117,14 +118,20 @@ def knob_environment(values: Mapping[str, object]) -> Dict[str, str]:
             try:
                 scaled = float(value) * knob.flag_scale
             except ValueError:
-                raise LaunchError(f"{knob.flag} {value!r} is not valid: expected a number") from None
-            text = str(int(scaled)) if isinstance(knob.default, int) else repr(scaled)
+                scaled = math.nan
+            if not math.isfinite(scaled):
+                raise LaunchError(f"{knob.flag} {value!r} is not valid: expected a number")
+            # floor, not int(): a negative fraction must stay negative for the knob to refuse.
+            text = str(math.floor(scaled)) if isinstance(knob.default, int) else repr(scaled)
         else:
             text = str(value)
         try:
             knob.parse(text)
         except ValueError as exc:
             raise LaunchError(f"{knob.flag} {value!r} is not valid: expected {exc}") from None
+        if not text.strip():
+            # An empty variable means "unset" (no timeline, no log); an empty flag is a mistake.
+            raise LaunchError(f"{knob.flag} is empty")
         env[knob.env] = text
     return env
 

@@ -60,23 +60,65 @@ def describe_exit(code: int, remote: bool) -> str:
 
 
 class Output:
-    """Serialises prefixed lines from all ranks onto the launcher's streams."""
+    """Serialises prefixed lines from all ranks onto the launcher's streams.
+
+    When a stream's reader goes away (``hvdlike-run ... | head``), writing to it
+    fails: from then on its lines are dropped (the ranks' pipes are still
+    drained, and ``--output-filename`` files still written) and ``on_closed``
+    is called once, which :func:`monitor` turns into a stop of every rank.
+    """
 
     def __init__(self, stdout: IO[str] = None, stderr: IO[str] = None):
         self._streams = {"stdout": stdout or sys.stdout, "stderr": stderr or sys.stderr}
         self._lock = threading.Lock()
+        self.closed: Dict[str, str] = {}  # stream -> why writing to it failed
+        self.on_closed: Optional[Callable[[str], None]] = None
+
+    def _write(self, stream: str, text: str) -> None:
+        if stream in self.closed:
+            return
+        out = self._streams[stream]
+        try:
+            if out is None:  # the launcher was started with this descriptor closed
+                raise OSError("not open")
+            out.write(text)
+            out.flush()
+        except (OSError, ValueError) as exc:  # ValueError: a closed file object
+            self.closed[stream] = str(exc)
+            _silence(out)
+            if len(self.closed) == 1 and self.on_closed is not None:
+                self.on_closed(stream)
 
     def line(self, rank: int, stream: str, text: str) -> None:
         with self._lock:
-            out = self._streams[stream]
-            out.write(f"[{rank}]<{stream}>:{text}\n")
-            out.flush()
+            self._write(stream, f"[{rank}]<{stream}>:{text}\n")
 
     def note(self, text: str) -> None:
         """A launcher message on stderr."""
         with self._lock:
-            self._streams["stderr"].write(f"hvdlike-run: {text}\n")
-            self._streams["stderr"].flush()
+            self._write("stderr", f"hvdlike-run: {text}\n")
+
+
+def _close_quietly(handle) -> None:
+    try:
+        handle.close()
+    except OSError:
+        pass
+
+
+def _silence(stream) -> None:
+    """Point a dead stream at /dev/null, so buffered text flushed at exit fails quietly."""
+    try:
+        fd = stream.fileno()
+        devnull = os.open(os.devnull, os.O_WRONLY)
+    except (AttributeError, OSError, ValueError):
+        return
+    try:
+        os.dup2(devnull, fd)
+    except OSError:
+        pass
+    finally:
+        os.close(devnull)
 
 
 class Worker:
@@ -133,9 +175,12 @@ class Worker:
         source = getattr(self._proc, stream)
         log = None
         if self._log_dir:
-            folder = os.path.join(self._log_dir, f"rank.{self.rank}")
-            os.makedirs(folder, exist_ok=True)
-            log = open(os.path.join(folder, stream), "w", encoding="utf-8")
+            path = os.path.join(self._log_dir, f"rank.{self.rank}", stream)
+            try:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                log = open(path, "w", encoding="utf-8")
+            except OSError as exc:  # the rank's output still reaches the launcher's streams
+                self._output.note(f"cannot write {path}: {exc.strerror or exc}")
         try:
             for raw in iter(source.readline, b""):
                 text = raw.decode("utf-8", errors="replace").rstrip("\n")
@@ -143,11 +188,17 @@ class Worker:
                     self.stderr_tail.append(text)
                 self._output.line(self.rank, stream, text)
                 if log:
-                    log.write(text + "\n")
-                    log.flush()
+                    try:
+                        log.write(text + "\n")
+                        log.flush()
+                    except OSError as exc:  # e.g. a full disk: keep forwarding, stop logging
+                        self._output.note(f"cannot write {log.name}: {exc.strerror or exc}; "
+                                          f"rank {self.rank} {stream} is no longer saved there")
+                        _close_quietly(log)
+                        log = None
         finally:
             if log:
-                log.close()
+                _close_quietly(log)
 
     def wait(self) -> int:
         """Block until the helper ends and its output is drained; return its status."""
@@ -207,6 +258,10 @@ def without_traceback_frames(lines: List[str]) -> List[str]:
     repeats only what it ended with, so the traceback appears once.
     """
     kept, in_traceback = [], False
+    # The tail may begin inside a traceback whose first line scrolled out of it.
+    lead = next((i for i, text in enumerate(lines) if not text.startswith(" ")), len(lines))
+    if any(text.startswith('  File "') for text in lines[:lead]):
+        lines = lines[lead:]
     for text in lines:
         if text.startswith("Traceback (most recent call last):"):
             in_traceback = True
@@ -222,6 +277,27 @@ def _exit_code_for(code: int) -> int:
     if code < 0:
         return 128 - code
     return code if 0 < code < 256 else 1
+
+
+CLOSED_OUTPUT_STATUS = 128 + signal.SIGPIPE
+
+
+def closed_reason(stream: str) -> str:
+    """What ``interrupted`` says when the launcher's ``stream`` lost its reader."""
+    return f"the launcher's {stream} was closed"
+
+
+class _ClosedOutput:
+    """Detaches :attr:`Output.on_closed` when a run ends (the output may be reused)."""
+
+    def __init__(self, output: Output):
+        self._output = output
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._output.on_closed = None
 
 
 class _Interrupts:
@@ -278,7 +354,8 @@ def monitor(workers: Sequence[Worker], output: Output, grace_seconds: float,
     def waiter(worker: Worker) -> None:
         events.put(("exit", worker.rank, worker.wait()))
 
-    with _Interrupts(events):
+    output.on_closed = lambda stream: events.put(("closed", stream))
+    with _Interrupts(events), _ClosedOutput(output):
         began = clock()
         for worker in workers:
             wait = worker.start_delay - (clock() - began)
@@ -308,6 +385,12 @@ def monitor(workers: Sequence[Worker], output: Output, grace_seconds: float,
                 if interrupts > 1:
                     for w in live.values():
                         w.kill()
+            elif event and event[0] == "closed":
+                # Like a shell pipeline whose reader exited (SIGPIPE): the job stops.
+                if result.interrupted is None and result.failure is None:
+                    result.interrupted = closed_reason(event[1])
+                    result.exit_code = CLOSED_OUTPUT_STATUS
+                stop_all(closed_reason(event[1]))
             elif event and event[0] == "exit":
                 worker = live.pop(event[1])
                 code = event[2]

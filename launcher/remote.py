@@ -7,8 +7,9 @@ command line). The helper starts the command in a new session, lets its stdout
 and stderr flow straight through, and keeps reading stdin. End of stdin (the
 launcher closed it, died, or the ssh connection dropped) means "stop": the
 command's whole process group gets SIGTERM, then SIGKILL after the grace period.
-When the command exits, any process it left in its group is killed too, so
-nothing outlives a rank.
+When the command exits, any process it left in its group is killed too, and so
+is any it detached from the group (the helper adopts orphans as a Linux
+"child subreaper"), so nothing outlives a rank.
 
 Exit status: the command's exit code, ``128 + N`` when signal N ended it, 127
 when the command does not exist, 126 when it cannot be started or the working
@@ -59,6 +60,93 @@ def _kill_group(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _adopt_orphans() -> None:
+    """Make this helper the parent of every orphan the command leaves (Linux only).
+
+    A process that left the rank's process group (``setsid``, a daemon) is then
+    still found among this helper's descendants, and stopped with the rank.
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        pass
+
+
+def _live_descendants() -> List[int]:
+    """Pids of this helper's living descendants, from /proc (empty where there is none)."""
+    parents = {}
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return []
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as handle:
+                fields = handle.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields and fields[0] != b"Z":  # zombies hold nothing open
+            parents[int(name)] = int(fields[1])
+    found, frontier = [], [os.getpid()]
+    while frontier:
+        parent = frontier.pop()
+        children = [pid for pid, ppid in parents.items() if ppid == parent]
+        found.extend(children)
+        frontier.extend(children)
+    return found
+
+
+def _reap_adopted(command_pid: int) -> None:
+    """Collect the exit status of adopted orphans that ended (never the command's own:
+    that belongs to ``Popen.wait``)."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/children") as handle:
+                children = [int(pid) for pid in handle.read().split()]
+        except (OSError, ValueError):
+            continue
+        for pid in children:
+            if pid != command_pid:
+                try:
+                    os.waitpid(pid, os.WNOHANG)
+                except ChildProcessError:
+                    pass
+
+
+def _signal_descendants(sig: int) -> None:
+    for pid in _live_descendants():
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _kill_descendants() -> None:
+    """SIGKILL whatever the command left behind, until nothing is left (bounded)."""
+    for _ in range(50):
+        left = _live_descendants()
+        if not left:
+            return
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        for pid in left:  # reap the ones that became our children; others are not ours
+            try:
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+        threading.Event().wait(0.02)
 
 
 def _resolve(command: str, cwd: str, path: Optional[str]) -> Optional[str]:
@@ -115,6 +203,7 @@ def run(spec: dict) -> int:
     events = _Events()
     for sig in _SIGNALS:
         signal.signal(sig, events.on_signal)
+    _adopt_orphans()
     try:
         child = subprocess.Popen(
             argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, start_new_session=True,
@@ -131,8 +220,10 @@ def run(spec: dict) -> int:
     threading.Thread(target=events.watch_child, args=(child,), daemon=True).start()
     while child.poll() is None:
         events.wake.wait(1.0)  # a timeout keeps signal handlers running promptly
+        _reap_adopted(child.pid)
         if events.stop and child.poll() is None:
             _kill_group(child.pid, signal.SIGTERM)
+            _signal_descendants(signal.SIGTERM)  # those that left the group, too
             try:
                 child.wait(grace)
             except subprocess.TimeoutExpired:
@@ -140,6 +231,7 @@ def run(spec: dict) -> int:
                 child.wait()
             break
     _kill_group(child.pid, signal.SIGKILL)  # whatever the command left in its group
+    _kill_descendants()  # and whatever left the group (reparented to this helper)
     code = child.returncode
     return 128 - code if code < 0 else code
 

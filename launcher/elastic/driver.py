@@ -32,7 +32,10 @@ from typing import Callable, Dict, List, Optional
 
 from hvdlike.core.elastic import protocol
 
-from ..monitor import Output, Worker, WorkerState, _Interrupts, describe_exit
+from ..monitor import (
+    CLOSED_OUTPUT_STATUS, Output, Worker, WorkerState, _ClosedOutput, _Interrupts, closed_reason,
+    describe_exit,
+)
 from ..rendezvous import is_local
 from ..ssh_exec import start_delay
 from .assignment import Member, Slot, assign, placements
@@ -118,7 +121,8 @@ class ElasticDriver:
         self._reform_at = self.clock()
         poller = threading.Thread(target=self._poll_discovery, daemon=True,
                                   name="hvdlike-run discovery")
-        with _Interrupts(self._events):
+        self.output.on_closed = lambda stream: self._events.put(("closed", stream))
+        with _Interrupts(self._events), _ClosedOutput(self.output):
             poller.start()
             try:
                 self._loop()
@@ -144,6 +148,11 @@ class ElasticDriver:
                 if interrupts > 1:
                     for w in self.live.values():
                         w.kill()
+            elif event is not None and event[0] == "closed":
+                if self.result.interrupted is None and self.result.exit_code == 0:
+                    self.result.interrupted = closed_reason(event[1])
+                    self.result.exit_code = CLOSED_OUTPUT_STATUS
+                self._stop_all(closed_reason(event[1]))
             elif event is not None and event[0] == "exit":
                 self._exited(event[1], event[2])
             elif event is not None and event[0] == "hosts":

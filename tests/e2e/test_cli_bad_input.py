@@ -4,11 +4,17 @@ The issue's list runs through the real ``hvdlike-run`` process; more cases run
 in-process through ``cli.main`` (same code path after the interpreter starts).
 """
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from hvdlike.launcher import cli
 
-from .conftest import run
+from .conftest import (
+    ROOT, finish, launcher_argv, launcher_env, processes_mentioning, run, write_script,
+)
 
 REASONS = [
     (["-H", "a:x", "python"], "-H/--hosts entry 'a:x': slots 'x' must be a positive integer"),
@@ -28,6 +34,15 @@ MORE_REASONS = [
     (["-np", "1", "--network-interface", "nosuchif0", "true"],
      "--network-interface 'nosuchif0' does not exist"),
     (["--hostfile", "/nonexistent/hostfile", "python"], "cannot read hostfile"),
+    (["--mpi", "-np", "1", "no-such-command-xyz"], "command not found: no-such-command-xyz"),
+    (["-np", "2", "--timeline-filename", "/nonexistent/dir/t.json", "python"],
+     "--timeline-filename (HVDLIKE_TIMELINE) /nonexistent/dir/t.json: directory /nonexistent/dir "
+     "does not exist"),
+    (["-np", "1", "-H", "localhost:\u00b2", "python"], "slots '\u00b2' must be a positive integer"),
+    (["-np", "99999999999999999999", "python"], "is more than the limit of 65536"),
+    (["-np", "1", "--start-timeout", "1e300", "python"], "--start-timeout '1e300' is not valid"),
+    (["-np", "1", "--fusion-threshold-mb", "inf", "python"], "--fusion-threshold-mb 'inf'"),
+    (["-np", "1", "--mpi-args", "'", "python"], "No closing quotation"),
 ]
 
 
@@ -61,3 +76,58 @@ def test_malformed_hostfile_line_is_named(marker):
     assert err.strip().splitlines() == [
         f"hvdlike-run: error: hostfile '{hostfile}' line 3 ('localhost2 slots=many'): "
         "slots 'many' must be a positive integer"]
+
+
+def test_closing_the_launchers_stdout_stops_every_rank(marker):
+    """``hvdlike-run ... | head -3``: the job stops as a pipeline would (status 141), no hang."""
+    script = write_script(marker, "talk.py", """
+        import itertools, time
+        for n in itertools.count():
+            print("line", n, flush=True)
+            time.sleep(0.01)
+    """)
+    proc = subprocess.Popen(launcher_argv() + ["-np", "2", sys.executable, script], cwd=ROOT,
+                            env=launcher_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    for _ in range(3):
+        assert proc.stdout.readline()
+    proc.stdout.close()
+    proc.stdout = None  # finish() now reads stderr only
+    code, _, err = finish(proc, timeout=60)
+    err = err.decode()
+    assert code == 141, err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1] == (
+        "hvdlike-run: job interrupted (the launcher's stdout was closed); every rank was stopped")
+
+
+def test_a_process_that_left_the_ranks_session_ends_with_the_rank(marker):
+    script = write_script(marker, "detach.py", """
+        import os, subprocess, sys
+        here = os.path.dirname(os.path.abspath(__file__))
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)",
+                          os.path.join(here, "detached")],
+                         start_new_session=True, stdin=subprocess.DEVNULL,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        print("rank done", flush=True)
+    """)
+    code, out, err, _ = run(["-np", "1", sys.executable, script], timeout=60)
+    assert code == 0, err
+    assert "[0]<stdout>:rank done" in out
+    assert processes_mentioning(str(marker / "detached")) == []
+
+
+def test_output_file_that_stops_accepting_writes_loses_no_forwarded_output(marker):
+    (marker / "logs" / "rank.0").mkdir(parents=True)
+    os.symlink("/dev/full", marker / "logs" / "rank.0" / "stdout")  # every write: ENOSPC
+    script = write_script(marker, "chatty.py", """
+        for n in range(300):
+            print("x" * 1000, flush=True)
+        print("the end", flush=True)
+    """)
+    code, out, err, _ = run(["-np", "1", "--output-filename", str(marker / "logs"),
+                             sys.executable, script], timeout=60)
+    assert code == 0, err
+    assert out.count("[0]<stdout>:" + "x" * 1000) == 300 and "[0]<stdout>:the end" in out
+    assert "Traceback" not in err
+    assert f"cannot write {marker}/logs/rank.0/stdout: No space left on device" in err

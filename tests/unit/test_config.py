@@ -72,3 +72,27 @@ def test_hierarchical_choice():
     assert not wanted(None, [[0], [1]])  # one member per host: nothing to share
     assert not wanted(None, [[0, 1]]) and not wanted(True, [[0, 1]])  # one host: flat shm
     assert wanted(True, [[0], [1]]) and not wanted(False, [[0, 1], [2, 3]])
+
+
+@pytest.mark.parametrize("var,value", [
+    ("HVDLIKE_CYCLE_TIME", "nan"),
+    ("HVDLIKE_CYCLE_TIME", "inf"),
+    ("HVDLIKE_CYCLE_TIME", "60001"),
+    ("HVDLIKE_GLOO_TIMEOUT_SECONDS", "NaN"),
+    ("HVDLIKE_GLOO_TIMEOUT_SECONDS", "1e10"),
+    ("HVDLIKE_START_TIMEOUT", "inf"),
+    ("HOROVOD_STALL_CHECK_TIME_SECONDS", "Infinity"),
+    ("HVDLIKE_STALL_SHUTDOWN_TIME_SECONDS", "1e300"),
+    ("HVDLIKE_DEADLOCK_TIME_SECONDS", "nan"),
+])
+def test_durations_must_be_finite_and_representable(var, value):
+    with pytest.raises(ConfigError, match=f"{var}={value!r} is not valid: expected .*at most"):
+        config.load({var: value})
+
+
+def test_largest_durations_are_accepted():
+    cfg = config.load({"HVDLIKE_CYCLE_TIME": "60000", "HVDLIKE_GLOO_TIMEOUT_SECONDS": "1e8",
+                       "HVDLIKE_START_TIMEOUT": "1e8", "HVDLIKE_DEADLOCK_TIME_SECONDS": "0",
+                       "HVDLIKE_STALL_SHUTDOWN_TIME_SECONDS": "1e8"})
+    assert (cfg.cycle_time, cfg.gloo_timeout_seconds, cfg.start_timeout) == (60000.0, 1e8, 1e8)
+    assert cfg.deadlock_time_seconds == 0.0 and cfg.stall_shutdown_time_seconds == 1e8

@@ -146,3 +146,135 @@ def test_hierarchical_flags_force_either_way():
     assert env["HVDLIKE_HIERARCHICAL_ALLGATHER"] == "0"
     cfg = core_config.load(env)
     assert (cfg.hierarchical_allreduce, cfg.hierarchical_allgather) == (True, False)
+
+
+def _main_error(argv, capsys):
+    """Run ``hvdlike-run argv`` in-process; return (exit status, stderr)."""
+    try:
+        code = cli.main(list(argv))
+    except SystemExit as exc:  # argparse's own errors
+        code = exc.code
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["-np", "99999999999999999999", "true"], "is more than the limit of 65536"),
+    (["-np", "100000000", "true"], "is more than the limit of 65536"),
+    (["-H", "localhost:100000", "true"], "slots '100000' is more than the limit of 65536"),
+    (["-H", "localhost:\u00b2", "true"], "slots '\u00b2' must be a positive integer"),
+    (["-H", "localhost:\u0663", "true"], "slots '\u0663' must be a positive integer"),
+    (["-np", "1", "--min-np", "1", "--max-np", "70000", "true"], "is more than the limit"),
+    (["-p", "0", "-np", "1", "true"], "'0' is not a TCP port"),
+    (["-p", "-1", "-np", "1", "true"], "'-1' is not a TCP port"),
+    (["-p", "65536", "-np", "1", "true"], "'65536' is not a TCP port"),
+    (["-np", "1", "--grace-period-seconds", "nan", "true"], "'nan' is not a number of seconds"),
+    (["-np", "1", "--grace-period-seconds", "inf", "true"], "'inf' is not a number of seconds"),
+    (["-np", "1", "--grace-period-seconds", "1e9", "true"], "must be at most 1e+08"),
+    (["--min-np", "1", "--elastic-timeout", "nan", "true"], "'nan' is not a number of seconds"),
+    (["--min-np", "1", "--blacklist-cooldown-range", "1", "inf", "true"], "'inf' is not a number"),
+    (["-np", "1", "--fusion-threshold-mb", "nan", "true"], "--fusion-threshold-mb 'nan' is not valid"),
+    (["-np", "1", "--fusion-threshold-mb", "inf", "true"], "--fusion-threshold-mb 'inf' is not valid"),
+    (["-np", "1", "--fusion-threshold-mb", "-0.0000001", "true"], "byte count >= 0"),
+    (["-np", "1", "--timeline-max-mb", "inf", "true"], "--timeline-max-mb 'inf' is not valid"),
+    (["-np", "1", "--start-timeout", "1e10", "true"], "--start-timeout '1e10' is not valid"),
+    (["-np", "1", "--gloo-timeout-seconds", "NaN", "true"], "--gloo-timeout-seconds 'NaN'"),
+    (["-np", "1", "--cycle-time-ms", "inf", "true"], "--cycle-time-ms 'inf' is not valid"),
+    (["-np", "1", "--mpi-args", '"', "true"], "--mpi-args '\"' is not valid: No closing quotation"),
+    (["-np", "1", "--hostfile", "", "true"], "--hostfile is empty"),
+    (["-np", "1", "--output-filename", "", "true"], "--output-filename is empty"),
+    (["-np", "1", "--network-interface", "", "true"], "--network-interface is empty"),
+    (["-np", "1", "-i", "", "true"], "-i/--ssh-identity-file is empty"),
+    (["-np", "1", "--remote-python", "", "true"], "--remote-python is empty"),
+    (["-np", "1", "--timeline-filename", "", "true"], "--timeline-filename is empty"),
+    (["-np", "1", "--autotune-log-file", " ", "true"], "--autotune-log-file is empty"),
+    (["-np", "1", ""], "the command is an empty string"),
+])
+def test_nonsense_values_are_one_line_errors(argv, needle, capsys):
+    code, err = _main_error(argv, capsys)
+    assert code == 2, err
+    assert err.count("\n") == 1 and err.startswith("hvdlike-run: error: "), err
+    assert needle in err
+
+
+@pytest.mark.parametrize("line, needle", [
+    ("localhost slots=2 slots=3", "gives slots twice"),
+    ("localhost:2 slots=3", "gives slots twice"),
+    ("localhost slots=2 max_slots=4 max-slots=4", "gives max_slots twice"),
+    ("localhost max_slots=", "slots '' must be a positive integer"),
+    ("localhost max_slots=lots", "slots 'lots' must be a positive integer"),
+])
+def test_hostfile_lines_that_contradict_themselves_are_refused(tmp_path, line, needle):
+    path = tmp_path / "hosts"
+    path.write_text(line + "\n")
+    with pytest.raises(LaunchError, match=needle):
+        _config("--hostfile", str(path), "python")
+    path.write_text("localhost slots=2 max_slots=4\n")
+    assert _config("--hostfile", str(path), "python").hosts == [HostSlots("localhost", 2)]
+
+
+def test_largest_counts_and_durations_are_still_accepted():
+    config = _config("-np", "65536", "-p", "65535", "--grace-period-seconds", "1e8",
+                     "--start-timeout", "1e8", "--cycle-time-ms", "60000", "python")
+    assert config.np == 65536 and config.ssh.port == 65535 and config.grace_seconds == 1e8
+    assert core_config.load(config.knob_env).start_timeout == 1e8
+
+
+def test_a_closed_output_stream_is_reported_once_and_never_raises():
+    import io
+
+    from hvdlike.launcher.monitor import Output
+
+    class Gone(io.StringIO):
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    err = io.StringIO()
+    output = Output(stdout=Gone(), stderr=err)
+    closed = []
+    output.on_closed = closed.append
+    for n in range(3):
+        output.line(0, "stdout", f"line {n}")  # must not raise
+    output.line(1, "stderr", "still here")
+    output.note("a note")
+    assert closed == ["stdout"]
+    assert err.getvalue() == "[1]<stderr>:still here\nhvdlike-run: a note\n"
+
+
+def test_summary_drops_a_traceback_whose_first_line_scrolled_out():
+    from hvdlike.launcher.monitor import without_traceback_frames
+
+    tail = ['  File "/x/train.py", line 3, in <module>', "    hvd.init()",
+            '  File "/x/api.py", line 9, in init', "    start()", "           ^^^^^^^",
+            "ValueError: cannot write 't.json'"]
+    assert without_traceback_frames(tail) == ["ValueError: cannot write 't.json'"]
+    plain = ["    indented output of the script", "RuntimeError: boom"]
+    assert without_traceback_frames(plain) == plain
+
+
+def _job(tmp_path, *argv):
+    from hvdlike.launcher.job import Job
+
+    config = _config(*argv)
+    config.cwd = str(tmp_path)
+    return Job(config)
+
+
+def test_output_files_that_cannot_be_written_are_refused_before_any_rank_starts(tmp_path):
+    (tmp_path / "logs" / "rank.1" / "stderr").mkdir(parents=True)
+    job = _job(tmp_path, "-np", "2", "--output-filename", str(tmp_path / "logs"), "true")
+    with pytest.raises(LaunchError, match=r"--output-filename .*Is a directory .*rank\.1/stderr"):
+        job.check()
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--timeline-filename", "missing/t.json"], "directory .*missing does not exist"),
+    (["--timeline-filename", "."], "is a directory"),
+    (["--timeline-filename", "t{rank}/x.json"], r"t1/x\.json: directory .*t1 does not exist"),
+    (["--autotune", "--autotune-log-file", "missing/a.csv"], "--autotune-log-file .*does not exist"),
+])
+def test_rank_files_on_this_machine_are_checked_before_any_rank_starts(tmp_path, argv, needle):
+    (tmp_path / "t0").mkdir()
+    job = _job(tmp_path, "-np", "2", *argv, "true")
+    with pytest.raises(LaunchError, match=needle):
+        job.check()
+    _job(tmp_path, "-np", "2", "--timeline-filename", "t{rank}.json", "true").check()
