@@ -50,8 +50,9 @@ Failure
     SIGTERM, then SIGKILL after ``--grace-period-seconds``; the launcher prints
     which rank failed, on which host, how (exit code or signal) and the last
     lines of its stderr, and exits with the rank's exit code (128+N for signal
-    N). Ctrl-C or SIGTERM on the launcher stops every rank the same way (a
-    second Ctrl-C kills at once) and exits with 130 / 143; so does a closed
+    N). Ctrl-C, SIGTERM or SIGHUP on the launcher stops every rank the same
+    way (a second Ctrl-C kills at once) and exits with 130 / 143 / 129; so
+    does a closed
     stdout (``hvdlike-run ... | head``), with 141. If the launcher
     itself is killed, ranks notice their closed stdin and stop: nothing is left
     behind. Bad input (malformed hosts, ``-np`` out of range, unknown flag,
@@ -66,7 +67,7 @@ Elastic jobs
     ``--elastic-timeout`` and ``--blacklist-cooldown-range``.
 
 Exit status
-    0 all ranks succeeded; the failed rank's status; 2 bad input; 130/143
+    0 all ranks succeeded; the failed rank's status; 2 bad input; 130/143/129
     interrupted; 141 the launcher's stdout was closed.
 """
 

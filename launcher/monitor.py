@@ -301,7 +301,11 @@ class _ClosedOutput:
 
 
 class _Interrupts:
-    """Turns SIGINT/SIGTERM into queue events while the job runs."""
+    """Turns SIGINT/SIGTERM/SIGHUP into queue events while the job runs.
+
+    SIGHUP (the launcher's terminal closed) stops the job like Ctrl-C, with the
+    same orderly stop of every rank and clean-up of the store, and exit 129.
+    """
 
     def __init__(self, events: "queue.Queue"):
         self._events = events
@@ -309,7 +313,7 @@ class _Interrupts:
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 

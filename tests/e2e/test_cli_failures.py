@@ -73,6 +73,20 @@ def test_ctrl_c_stops_every_rank(marker):
     assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
 
 
+def test_a_closed_terminal_sighup_stops_every_rank_like_ctrl_c(marker):
+    (marker / "job.py").write_text(textwrap.dedent(SLEEPER))
+    proc = start(["-np", "2", "python", str(marker / "job.py")])
+    try:
+        pids = _wait_ready(marker, 2)
+        proc.send_signal(signal.SIGHUP)
+        code, out, err = finish(proc, timeout=30)
+    finally:
+        kill_session(proc.pid)
+    assert code == 128 + signal.SIGHUP, err
+    assert "received SIGHUP; stopping 2 other rank(s)" in err
+    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+
+
 def test_rank_ignoring_sigterm_is_killed_after_the_grace_period(marker):
     script = marker / "stubborn.py"
     script.write_text(
