@@ -21,6 +21,7 @@ from .launch_config import LaunchConfig
 from .local_exec import helper_command
 from .monitor import Output, RunResult, Worker, monitor
 from .preflight import check_hosts, require_all_ok
+from .remote import missing_interpreter
 from .rendezvous import StoreServer, choose_address, is_local, new_secret
 from .ssh_exec import remote_helper_command, start_delay
 
@@ -38,8 +39,14 @@ def check_local_command(command: List[str], cwd: str, path: Optional[str]) -> No
             raise LaunchError(f"command not found: {program}")
         if not os.access(full, os.X_OK):
             raise LaunchError(f"command is not executable: {program}")
-    elif shutil.which(program, path=path) is None:
-        raise LaunchError(f"command not found: {program}")
+    else:
+        full = shutil.which(program, path=path)
+        if full is None:
+            raise LaunchError(f"command not found: {program}")
+    interpreter = missing_interpreter(full)
+    if interpreter:
+        raise LaunchError(f"cannot run {program}: its interpreter {interpreter} (the '#!' "
+                          "line) does not exist")
 
 
 def check_writable_file(path: str, cwd: str, what: str) -> None:

@@ -156,6 +156,22 @@ def _resolve(command: str, cwd: str, path: Optional[str]) -> Optional[str]:
     return shutil.which(command, path=path)
 
 
+def missing_interpreter(path: str) -> Optional[str]:
+    """The interpreter named by ``path``'s ``#!`` line when it does not exist, else None."""
+    try:
+        with open(path, "rb") as handle:
+            first = handle.readline(4096)
+    except OSError:
+        return None
+    if not first.startswith(b"#!"):
+        return None
+    words = first[2:].strip().split()
+    if not words:
+        return None
+    interpreter = os.fsdecode(words[0])
+    return None if os.path.exists(interpreter) else interpreter
+
+
 def probe(spec: dict) -> int:
     """Report whether ``spec['cwd']`` and ``spec['command']`` (on ``spec['path']``) exist."""
     cwd = spec.get("cwd", "/")
@@ -210,6 +226,12 @@ def run(spec: dict) -> int:
             preexec_fn=_die_with_parent(),
         )
     except FileNotFoundError:
+        found = _resolve(argv[0], cwd, env.get("PATH"))
+        interpreter = missing_interpreter(found) if found else None
+        if interpreter:
+            _say(f"cannot run {argv[0]}: its interpreter {interpreter} (the '#!' line) "
+                 "does not exist on this host")
+            return 126
         _say(f"command not found: {argv[0]}")
         return 127
     except OSError as exc:

@@ -131,3 +131,31 @@ def test_output_file_that_stops_accepting_writes_loses_no_forwarded_output(marke
     assert out.count("[0]<stdout>:" + "x" * 1000) == 300 and "[0]<stdout>:the end" in out
     assert "Traceback" not in err
     assert f"cannot write {marker}/logs/rank.0/stdout: No space left on device" in err
+
+
+def test_a_script_whose_interpreter_is_missing_is_named_not_called_missing(marker):
+    script = marker / "job"
+    script.write_text("#!/nonexistent/bin/interp -u\nprint('never')\n")
+    script.chmod(0o755)
+    code, out, err, _ = run(["-np", "1", str(script)])
+    assert code == 2
+    assert err.strip().splitlines() == [
+        f"hvdlike-run: error: cannot run {script}: its interpreter /nonexistent/bin/interp "
+        "(the '#!' line) does not exist"]
+
+
+def test_the_rank_helper_names_a_missing_interpreter_too(tmp_path):
+    # On a remote host the helper starts the command; the launcher's early check ran
+    # on another machine, where the interpreter may have existed. (In a process of its
+    # own: the helper installs signal handlers and adopts orphans.)
+    script = tmp_path / "job"
+    script.write_text("#!/nonexistent/bin/interp\n")
+    script.chmod(0o755)
+    code = ("import os, sys; from hvdlike.launcher import remote; "
+            f"sys.exit(remote.run({{'argv': [{str(script)!r}], 'env': dict(os.environ), "
+            f"'cwd': {str(tmp_path)!r}, 'grace': 1}}))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 126, done.stderr
+    assert (f"cannot run {script}: its interpreter /nonexistent/bin/interp (the '#!' line) "
+            "does not exist on this host") in done.stderr
