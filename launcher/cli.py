@@ -301,7 +301,8 @@ def to_config(args: argparse.Namespace) -> LaunchConfig:
     config.start_timeout = effective_settings(config).start_timeout
     config.ssh.connect_timeout = min(10.0, config.start_timeout)
     for option in config.ssh.options:
-        if "=" not in option:
+        key = option.partition("=")[0]
+        if "=" not in option or not key.strip() or any(c.isspace() for c in key):
             raise LaunchError(f"--ssh-option {option!r} is not valid: expected KEY=VALUE")
     return config
 

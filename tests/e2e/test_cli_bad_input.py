@@ -43,6 +43,8 @@ MORE_REASONS = [
     (["-np", "1", "--start-timeout", "1e300", "python"], "--start-timeout '1e300' is not valid"),
     (["-np", "1", "--fusion-threshold-mb", "inf", "python"], "--fusion-threshold-mb 'inf'"),
     (["-np", "1", "--mpi-args", "'", "python"], "No closing quotation"),
+    (["-np", "1", "--ssh-option", "=yes", "python"], "--ssh-option '=yes' is not valid"),
+    (["-np", "1", "--ssh-option", "Batch Mode=yes", "python"], "is not valid: expected KEY=VALUE"),
 ]
 
 
