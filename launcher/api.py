@@ -116,6 +116,11 @@ def run(
         >>> hvdlike.run(lambda: __import__("os").environ["HVDLIKE_RANK"], np=2)
         ['0', '1']
     """
+    if os.environ.get("HVDLIKE_RUN_LOADING"):  # see launcher/task.py
+        raise LaunchError(
+            "hvdlike.run was called while a rank of another hvdlike.run job was loading its "
+            "function: the module that defines the function calls hvdlike.run when it is "
+            "imported; put that call under `if __name__ == \"__main__\":`")
     environ = dict(os.environ)
     environ.update(env or {})
     environ.setdefault("PYTHONPATH", _user_path())

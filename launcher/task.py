@@ -20,6 +20,7 @@ from hvdlike.core.topology import (
 from .payload import MAX_BLOB_BYTES, PAYLOAD_KEY, PayloadError, result_key, seal, unseal
 
 REFUSED = 3
+LOADING_ENV = "HVDLIKE_RUN_LOADING"  # set while this rank unpickles its function
 
 
 def _store(timeout_seconds: float):
@@ -63,7 +64,14 @@ def main() -> int:
         return REFUSED
     store = _store(config.load(os.environ).start_timeout)
     try:
-        fn, args, kwargs = unseal(secret, "payload", store.get(PAYLOAD_KEY))
+        # Unpickling imports the modules fn and its arguments come from; one that
+        # calls hvdlike.run at import time (no __main__ guard) must not start a
+        # job of its own from here, and so on down (see launcher/api.py: run).
+        os.environ[LOADING_ENV] = "1"
+        try:
+            fn, args, kwargs = unseal(secret, "payload", store.get(PAYLOAD_KEY))
+        finally:
+            os.environ.pop(LOADING_ENV, None)
     except (PayloadError, StoreTamperedError) as exc:
         sys.stderr.write(f"hvdlike.run: rank {rank} refused its payload: {exc}\n")
         return REFUSED
