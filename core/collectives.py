@@ -87,7 +87,19 @@ def _request(op: OpType, tensor: torch.Tensor, name: str, **fields) -> Request:
                        **fields)
 
 
-def _copy_back(target: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+def _copy_back(target: torch.Tensor, what: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Writes the result into a non-contiguous ``target`` of an in-place collective.
+
+    A target whose elements share memory (an ``expand``-ed tensor: a stride of 0
+    over a dimension longer than 1) cannot take a result; it is refused here,
+    before the collective runs, rather than after every rank has run it.
+    """
+    if any(stride == 0 and n > 1 for stride, n in zip(target.stride(), target.shape)):
+        raise ValueError(f"{what}_: the tensor cannot be written in place, several of its "
+                         f"elements share memory (an expanded tensor, shape "
+                         f"{list(target.shape)}, strides {list(target.stride())}); pass "
+                         f"tensor.clone() or use {what}, which returns a new tensor")
+
     def finish(result: torch.Tensor) -> torch.Tensor:
         target.copy_(result)
         return target
@@ -125,7 +137,7 @@ def allreduce_entry(tensor, name: str, op=ReduceOp.AVERAGE, prescale_factor=1.0,
     else:
         output = torch.empty_like(tensor, memory_format=torch.contiguous_format)
         if inplace:
-            finish = _copy_back(tensor)
+            finish = _copy_back(tensor, "allreduce")
     return Entry(request, tensor, output, None, finish)
 
 
@@ -144,9 +156,9 @@ def broadcast_entry(tensor, root_rank: int, size: int, name: str, inplace=False)
     if inplace and tensor.is_contiguous():
         output = tensor
     else:
-        output = tensor.clone(memory_format=torch.contiguous_format)
         if inplace:
-            finish = _copy_back(tensor)
+            finish = _copy_back(tensor, "broadcast")
+        output = tensor.clone(memory_format=torch.contiguous_format)
     request = _request(OpType.BROADCAST, tensor, name, root=root)
     return Entry(request, tensor, output, None, finish)
 

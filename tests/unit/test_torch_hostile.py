@@ -160,3 +160,28 @@ def test_buckets_and_groups_follow_the_names_not_the_param_groups_order(monkeypa
         del opt
     assert plans[0] == plans[1] == plans[2], plans
     assert plans[0][0] or plans[0][1]  # something was planned
+
+
+def test_in_place_collectives_refuse_an_expanded_tensor_before_submitting():
+    # Every element of an expanded tensor is one memory location: the result could not
+    # be written back, and finding out after the collective ran leaves it half done.
+    import torch
+
+    from hvdlike.core import collectives
+
+    expanded = torch.zeros(1).expand(3)
+    for build, what in ((lambda: collectives.allreduce_entry(expanded, "x", inplace=True),
+                         "allreduce"),
+                        (lambda: collectives.broadcast_entry(expanded, 0, 2, "y", inplace=True),
+                         "broadcast")):
+        with pytest.raises(ValueError) as err:
+            build()
+        assert str(err.value) == (
+            f"{what}_: the tensor cannot be written in place, several of its elements share "
+            f"memory (an expanded tensor, shape [3], strides [0]); pass tensor.clone() or use "
+            f"{what}, which returns a new tensor")
+    # Not in place, or a strided tensor whose elements are distinct: accepted.
+    assert collectives.allreduce_entry(expanded, "z").output.shape == (3,)
+    strided = torch.zeros(4, 4).t()
+    assert collectives.allreduce_entry(strided, "w", inplace=True).finish is not None
+    assert collectives.broadcast_entry(strided, 0, 2, "v", inplace=True).finish is not None
