@@ -10,19 +10,23 @@ may call ``hvdlike.torch.init()`` and use collectives.
 
 from __future__ import annotations
 
+import operator
 import os
 import sys
-from typing import Any, Callable, List, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 
+from hvdlike.core import config as core_config
 from hvdlike.core.errors import HvdlikeError
 
 from .errors import LaunchError
 from .hosts import HostSlots, parse_hosts
 from .job import Job
-from .launch_config import LaunchConfig, SshOptions, effective_settings, knob_environment
+from .launch_config import LaunchConfig, SshOptions, effective_settings
 from .monitor import describe_exit
 from .task import REFUSED
-from .payload import MAX_BLOB_BYTES, PAYLOAD_KEY, PayloadError, result_key, seal, unseal
+from .payload import (
+    MAX_BLOB_BYTES, PAYLOAD_KEY, PayloadError, get, put, result_key, seal, unseal,
+)
 
 TASK_MODULE = "hvdlike.launcher.task"
 
@@ -56,6 +60,104 @@ def _user_path() -> str:
         if os.path.isdir(real) and not any(real.startswith(p + os.sep) or real == p for p in prefixes):
             mine.append(real)
     return os.pathsep.join(dict.fromkeys(mine))
+
+
+def _check_np(np) -> int:
+    try:
+        count = None if isinstance(np, bool) else operator.index(np)
+    except TypeError:
+        count = None
+    if count is None:
+        raise LaunchError(f"hvdlike.run: np must be an int, got {np!r} ({type(np).__name__})")
+    return count
+
+
+def _check_call(fn, args, kwargs):
+    """``(fn, args, kwargs)`` checked, as they will be shipped."""
+    if not callable(fn):
+        raise TypeError(f"hvdlike.run: fn must be callable, got {type(fn).__name__}")
+    if isinstance(args, (str, bytes)) or not hasattr(args, "__iter__"):
+        raise TypeError(f"hvdlike.run: args must be a tuple or list of positional arguments, "
+                        f"got {type(args).__name__}")
+    if kwargs is None:
+        kwargs = {}
+    if not isinstance(kwargs, Mapping):
+        raise TypeError(f"hvdlike.run: kwargs must be a mapping of keyword arguments, got "
+                        f"{type(kwargs).__name__}")
+    bad = [k for k in kwargs if not isinstance(k, str)]
+    if bad:
+        raise TypeError(f"hvdlike.run: kwargs keys must be str, got {bad[0]!r}")
+    return fn, tuple(args), dict(kwargs)
+
+
+def _sealed_payload(secret: str, fn, args, kwargs) -> bytes:
+    """The sealed payload, or a ``TypeError`` naming the part that cannot be pickled."""
+    try:
+        blob = seal(secret, "payload", (fn, args, kwargs))
+    except Exception as exc:
+        import cloudpickle
+
+        parts = [("fn", fn)] + [(f"args[{i}]", a) for i, a in enumerate(args)] \
+            + [(f"kwargs[{k!r}]", v) for k, v in kwargs.items()]
+        culprit = "fn, args or kwargs"
+        for label, value in parts:
+            try:
+                cloudpickle.dumps(value)
+            except Exception:
+                culprit = label
+                break
+        raise TypeError(f"hvdlike.run: {culprit} cannot be pickled to ship it to the ranks "
+                        f"({type(exc).__name__}: {exc})") from exc
+    if len(blob) > MAX_BLOB_BYTES:
+        raise LaunchError(f"hvdlike.run: fn, args and kwargs pickle to {len(blob)} bytes, more "
+                          f"than the {MAX_BLOB_BYTES} bytes hvdlike.run carries")
+    return blob
+
+
+def _check_env(env) -> Dict[str, str]:
+    if env is None:
+        return {}
+    if not isinstance(env, Mapping):
+        raise TypeError(f"hvdlike.run: env must be a mapping of str to str, got "
+                        f"{type(env).__name__}")
+    for key, value in env.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise TypeError(f"hvdlike.run: env must map str to str; {key!r} maps to "
+                            f"{type(value).__name__} {value!r}")
+        if not key or "=" in key or "\0" in key or "\0" in value:
+            raise ValueError(f"hvdlike.run: env has an invalid variable {key!r}={value!r}")
+    return dict(env)
+
+
+def _knob_env(knobs) -> Dict[str, str]:
+    """``HVDLIKE_*`` variables for ``knobs`` given by knob field, in the knob's own unit.
+
+    ``True``/``False`` turn a boolean knob on or off (an automatic one too);
+    every value is checked by the knob's parser, and an unknown field is refused.
+    """
+    if knobs is None:
+        return {}
+    if not isinstance(knobs, Mapping):
+        raise TypeError(f"hvdlike.run: knobs must be a mapping of knob field to value, got "
+                        f"{type(knobs).__name__}")
+    env: Dict[str, str] = {}
+    for field, value in knobs.items():
+        knob = core_config.KNOBS_BY_FIELD.get(field)
+        if knob is None:
+            names = ", ".join(sorted(core_config.KNOBS_BY_FIELD))
+            raise LaunchError(f"hvdlike.run: unknown knob {field!r}; knobs are: {names}")
+        if value is None:
+            continue
+        text = ("1" if value else "0") if isinstance(value, bool) else str(value)
+        try:
+            knob.parse(text)
+        except ValueError as exc:
+            raise LaunchError(f"hvdlike.run: knobs[{field!r}] = {value!r} is not valid: "
+                              f"expected {exc}") from None
+        if not text.strip():
+            raise LaunchError(f"hvdlike.run: knobs[{field!r}] is empty")
+        env[knob.env] = text
+    return env
 
 
 def _hosts(hosts: Union[None, str, Sequence[HostSlots]], np: int) -> List[HostSlots]:
@@ -96,7 +198,8 @@ def run(
         ssh_options: extra ``KEY=VALUE`` ssh options.
         network_interface: interface for the store and Gloo.
         env: extra environment variables for every rank.
-        knobs: runtime knobs by field name, e.g. ``{"cycle_time": 0.5}``.
+        knobs: runtime knobs by field name, in the unit of their ``HVDLIKE_*``
+            variable, e.g. ``{"cycle_time": 0.5, "fusion_threshold": 0, "shm": False}``.
         start_timeout: seconds hosts and ranks get to start (default: the
             ``start_timeout`` knob).
         verbose: print the commands run.
@@ -121,9 +224,12 @@ def run(
             "hvdlike.run was called while a rank of another hvdlike.run job was loading its "
             "function: the module that defines the function calls hvdlike.run when it is "
             "imported; put that call under `if __name__ == \"__main__\":`")
+    np = _check_np(np)
+    fn, args, kwargs = _check_call(fn, args, kwargs)
     environ = dict(os.environ)
-    environ.update(env or {})
+    environ.update(_check_env(env))
     environ.setdefault("PYTHONPATH", _user_path())
+    knob_env = _knob_env(knobs)
     config = LaunchConfig(
         command=[python, "-m", TASK_MODULE],
         hosts=_hosts(hosts, np),
@@ -131,7 +237,7 @@ def run(
         ssh=SshOptions(port=ssh_port, identity_file=ssh_identity_file,
                        options=list(ssh_options)),
         network_interface=network_interface,
-        knob_env=knob_environment(dict(knobs or {})),
+        knob_env=knob_env,
         verbose=verbose,
         remote_python=python,
         environ=environ,
@@ -139,21 +245,27 @@ def run(
     config.start_timeout = start_timeout or effective_settings(config).start_timeout
     config.ssh.connect_timeout = min(10.0, config.start_timeout)
     job = Job(config)
+    payload = _sealed_payload(job.secret, fn, args, kwargs)  # before any rank starts
     with job:
         store = job.store.client(MAX_BLOB_BYTES)
-        store.set(PAYLOAD_KEY, seal(job.secret, "payload", (fn, tuple(args), dict(kwargs or {}))))
+        put(store, PAYLOAD_KEY, payload)
+        del payload
         result = job.run()
         outcomes = {}
         for placement in job.placements:
             key = result_key(placement.rank)
             if store.check([key]):
                 try:
-                    outcomes[placement.rank] = store.get(key)
-                except HvdlikeError as exc:  # StoreTamperedError: never unpickled
+                    outcomes[placement.rank] = get(store, key)
+                except (HvdlikeError, PayloadError) as exc:  # never unpickled
                     raise RankError(f"rank {placement.rank} returned a result that failed "
                                     f"authentication: {exc}", placement.rank,
                                     placement.host) from None
     return _collect(job, result, outcomes)
+
+
+# Errors a rank raises because another rank failed first.
+_CONSEQUENCES = ("HvdlikeInternalError", "HorovodInternalError")
 
 
 def _collect(job: Job, result, blobs) -> List[Any]:
@@ -170,7 +282,13 @@ def _collect(job: Job, result, blobs) -> List[Any]:
     if result.failure is not None and result.failure.rank in failed:
         failed.remove(result.failure.rank)
         failed.insert(0, result.failure.rank)
-    if failed:
+    # A rank that lost its peers raises HvdlikeInternalError ("rank 1 died ..."):
+    # a consequence. Name the cause instead: a rank that raised something else,
+    # else a rank that ended without any result.
+    causes = [rank for rank in failed if outcomes[rank]["type"] not in _CONSEQUENCES]
+    silent = [w for w in result.workers if w.rank not in outcomes]
+    if failed and (causes or not silent):
+        failed = causes + [rank for rank in failed if rank not in causes]
         rank = failed[0]
         outcome = outcomes[rank]
         host = job.placements[rank].host
@@ -179,8 +297,11 @@ def _collect(job: Job, result, blobs) -> List[Any]:
             f"{outcome['traceback']}".rstrip(),
             rank, host, outcome["traceback"])
         raise error from outcome.get("exception")
-    if result.failure is not None or len(outcomes) < len(job.placements):
-        worker = result.failure or next(w for w in result.workers if w.rank not in outcomes)
+    if failed or result.failure is not None or len(outcomes) < len(job.placements):
+        if silent and (failed or result.failure is None or result.failure.rank in outcomes):
+            worker = silent[0]
+        else:
+            worker = result.failure
         tail = "\n".join(worker.stderr_tail)
         if worker.exit_code == REFUSED:
             what = ("refused its payload: it failed authentication, so the job's store was "

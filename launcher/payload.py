@@ -19,6 +19,10 @@ PAYLOAD_KEY = "launcher/run/payload"
 # The largest payload or result the store carries for hvdlike.run; a reader
 # refuses anything bigger before checking or unpickling it.
 MAX_BLOB_BYTES = 1 << 30
+# The store's server refuses a message above 8 MiB, so bigger blobs travel as
+# pieces of this size under "<key>/<i>", with a marker under the key itself.
+CHUNK_BYTES = 4 << 20
+CHUNKED = b"hvdlike.run/chunked\0"
 VERSION = b"hvdlike.run/1"
 
 
@@ -64,3 +68,45 @@ def unseal(secret: str, purpose: str, blob: bytes) -> Any:
     if not hmac.compare_digest(mac, _mac(secret, purpose, data)):
         raise PayloadError(f"{purpose}: authentication failed; refusing to unpickle it")
     return pickle.loads(data)
+
+
+def put(store, key: str, blob: bytes) -> None:
+    """Store ``blob`` under ``key``, in pieces when it is bigger than one store message.
+
+    The pieces go first and the marker naming them last, so a reader that sees
+    ``key`` finds every piece in place.
+
+    Raises:
+        PayloadError: ``blob`` is bigger than :data:`MAX_BLOB_BYTES`.
+    """
+    if len(blob) > MAX_BLOB_BYTES:
+        raise PayloadError(f"{len(blob)} bytes pickled, more than the {MAX_BLOB_BYTES} "
+                           f"bytes hvdlike.run carries")
+    if len(blob) <= CHUNK_BYTES:
+        store.set(key, blob)
+        return
+    pieces = (len(blob) + CHUNK_BYTES - 1) // CHUNK_BYTES
+    for i in range(pieces):
+        store.set(f"{key}/{i}", blob[i * CHUNK_BYTES:(i + 1) * CHUNK_BYTES])
+    store.set(key, CHUNKED + f"{pieces} {len(blob)}".encode())
+
+
+def get(store, key: str) -> bytes:
+    """The blob :func:`put` stored under ``key`` (its MAC is still to be checked).
+
+    Raises:
+        PayloadError: the marker is malformed or the pieces do not add up.
+    """
+    head = bytes(store.get(key))
+    if not head.startswith(CHUNKED):
+        return head
+    try:
+        pieces, total = (int(part) for part in head[len(CHUNKED):].decode().split())
+    except ValueError:
+        raise PayloadError(f"{key}: malformed piece count") from None
+    if not 0 < total <= MAX_BLOB_BYTES or pieces != (total + CHUNK_BYTES - 1) // CHUNK_BYTES:
+        raise PayloadError(f"{key}: {pieces} piece(s) of {total} bytes is not a valid blob")
+    blob = b"".join(bytes(store.get(f"{key}/{i}")) for i in range(pieces))
+    if len(blob) != total:
+        raise PayloadError(f"{key}: the pieces hold {len(blob)} bytes, not {total}")
+    return blob

@@ -17,7 +17,9 @@ from hvdlike.core.topology import (
     ENV_JOB_SECRET, ENV_RANK, ENV_SIZE, ENV_STORE_ADDR, ENV_STORE_PORT,
 )
 
-from .payload import MAX_BLOB_BYTES, PAYLOAD_KEY, PayloadError, result_key, seal, unseal
+from .payload import (
+    MAX_BLOB_BYTES, PAYLOAD_KEY, PayloadError, get, put, result_key, seal, unseal,
+)
 
 REFUSED = 3
 LOADING_ENV = "HVDLIKE_RUN_LOADING"  # set while this rank unpickles its function
@@ -69,21 +71,31 @@ def main() -> int:
         # job of its own from here, and so on down (see launcher/api.py: run).
         os.environ[LOADING_ENV] = "1"
         try:
-            fn, args, kwargs = unseal(secret, "payload", store.get(PAYLOAD_KEY))
+            fn, args, kwargs = unseal(secret, "payload", get(store, PAYLOAD_KEY))
         finally:
             os.environ.pop(LOADING_ENV, None)
     except (PayloadError, StoreTamperedError) as exc:
         sys.stderr.write(f"hvdlike.run: rank {rank} refused its payload: {exc}\n")
         return REFUSED
-    outcome = _outcome(fn, args, kwargs)
+    except Exception as exc:  # authentic, but this rank cannot rebuild it (a missing module)
+        outcome = {"ok": False, "type": type(exc).__name__,
+                   "message": f"rank {rank} could not unpickle the function or its arguments "
+                              f"({exc}); modules they come from must be importable on every "
+                              f"rank", "traceback": traceback.format_exc()}
+    else:
+        outcome = _outcome(fn, args, kwargs)
     try:
         blob = seal(secret, f"result/{rank}", outcome)
-    except Exception as exc:  # the return value cannot be pickled
+        if len(blob) > MAX_BLOB_BYTES:
+            raise PayloadError(f"it pickles to {len(blob)} bytes, more than the "
+                               f"{MAX_BLOB_BYTES} bytes hvdlike.run carries")
+    except Exception as exc:  # the return value cannot be pickled, or is too big
+        what = "is too big" if isinstance(exc, PayloadError) else "cannot be pickled"
         outcome = {"ok": False, "type": type(exc).__name__,
-                   "message": f"the return value of rank {rank} cannot be pickled: {exc}",
+                   "message": f"the return value of rank {rank} {what}: {exc}",
                    "traceback": ""}
         blob = seal(secret, f"result/{rank}", outcome)
-    store.set(result_key(rank), blob)
+    put(store, result_key(rank), blob)
     return 0 if outcome["ok"] else 1
 
 

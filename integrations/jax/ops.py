@@ -19,9 +19,11 @@ from __future__ import annotations
 from typing import Callable, Optional, Sequence
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from jax.experimental import io_callback
 
-from hvdlike.core import api
+from hvdlike.core import api, collectives as core
 from hvdlike.core.messages import ReduceOp
 from hvdlike.core.process_sets import global_process_set
 from hvdlike.frontend import ArrayOps
@@ -35,6 +37,36 @@ grid = ArrayOps(JaxAdapter())
 
 def _any_traced(values: Sequence) -> bool:
     return any(is_traced(v) for v in values)
+
+
+def _as_jax(values: Sequence) -> list:
+    """Traced values as they are; constants (Python scalars, numpy arrays) as JAX arrays.
+
+    Inside a traced function JAX holds constants in its own canonical dtypes
+    (float32 for a float64 numpy array unless x64 is on); staging them the
+    same way keeps the callback's declared result types valid.
+    """
+    out = []
+    for value in values:
+        if not is_traced(value) and not isinstance(value, jax.Array):
+            try:
+                value = jnp.asarray(value)
+            except TypeError as exc:
+                raise TypeError(f"{FRONTEND}: cannot stage a {type(value).__module__}."
+                                f"{type(value).__qualname__} in a collective inside jax.jit: "
+                                f"{exc}") from None
+        out.append(value)
+    return out
+
+
+def _stand_in(value) -> np.ndarray:
+    """A numpy array of ``value``'s shape and dtype that owns no real memory."""
+    return np.broadcast_to(np.zeros((), dtype=np.dtype(value.dtype)), tuple(value.shape))
+
+
+def _tensor(value, what: str):
+    """The torch view of a stand-in for ``value``, refused as the eager call would refuse it."""
+    return grid._tensor(_stand_in(value), what)
 
 
 def _staged(eager: Callable, values: Sequence, shapes: Sequence[jax.ShapeDtypeStruct]):
@@ -68,6 +100,9 @@ def allreduce(tensor, name: Optional[str] = None, op=Average, prescale_factor=1.
     if not is_traced(tensor):
         return grid.allreduce(tensor, name, op, prescale_factor, postscale_factor, process_set)
     name = _trace_name(name, "allreduce", process_set)
+    # The eager checks (op, dtype, scale factors) run now, on a stand-in.
+    grid._allreduce_entries(_stand_in(tensor), name, op, prescale_factor, postscale_factor,
+                            False, False, process_set)
     return _staged(lambda xs: [grid.allreduce(xs[0], name, op, prescale_factor, postscale_factor,
                                              process_set)], [tensor], [_spec(tensor)])[0]
 
@@ -79,7 +114,10 @@ def grouped_allreduce(tensors, name: Optional[str] = None, op=Average, prescale_
     if not _any_traced(tensors):
         return grid.grouped_allreduce(tensors, name, op, prescale_factor, postscale_factor,
                                      process_set)
+    tensors = _as_jax(tensors)
     name = _trace_name(name, "grouped_allreduce", process_set)
+    grid._allreduce_entries([_stand_in(t) for t in tensors], name, op, prescale_factor,
+                            postscale_factor, False, True, process_set)
     return _staged(lambda xs: grid.grouped_allreduce(xs, name, op, prescale_factor,
                                                     postscale_factor, process_set),
                    tensors, [_spec(t) for t in tensors])
@@ -91,6 +129,8 @@ def broadcast(tensor, root_rank: int, name: Optional[str] = None,
     if not is_traced(tensor):
         return grid.broadcast(tensor, root_rank, name, process_set)
     name = _trace_name(name, "broadcast", process_set)
+    _tensor(tensor, "broadcast")
+    grid._build("broadcast", lambda: core.check_root(root_rank, api.size(), "broadcast"))
     return _staged(lambda xs: [grid.broadcast(xs[0], root_rank, name, process_set)],
                    [tensor], [_spec(tensor)])[0]
 
@@ -104,6 +144,7 @@ def allgather(tensor, name: Optional[str] = None, process_set=global_process_set
     if not is_traced(tensor):
         return grid.allgather(tensor, name, process_set)
     name = _trace_name(name, "allgather", process_set)
+    _tensor(tensor, "allgather")
     shape = tuple(tensor.shape) or (1,)
     out = (shape[0] * set_size(process_set),) + shape[1:]
     return _staged(lambda xs: [grid.allgather(xs[0], name, process_set)],
@@ -122,6 +163,8 @@ def alltoall(tensor, splits=None, name: Optional[str] = None, process_set=global
         raise ValueError(f"{FRONTEND}.alltoall: splits are not supported inside jax.jit "
                          f"(the received shape would depend on other ranks)")
     name = _trace_name(name, "alltoall", process_set)
+    t = _tensor(tensor, "alltoall")
+    grid._build("alltoall", lambda: core.alltoall_entry(t, None, set_size(process_set), name))
     return _staged(lambda xs: [grid.alltoall(xs[0], None, name, process_set)],
                    [tensor], [_spec(tensor)])[0]
 
@@ -133,6 +176,9 @@ def reducescatter(tensor, name: Optional[str] = None, op=Average, process_set=gl
         return grid.reducescatter(tensor, name, op, process_set, prescale_factor,
                                  postscale_factor)
     name = _trace_name(name, "reducescatter", process_set)
+    t = _tensor(tensor, "reducescatter")
+    grid._build("reducescatter", lambda: core.reducescatter_entry(
+        t, name, op, prescale_factor, postscale_factor))
     size = set_size(process_set)
     me = process_set.rank() if process_set is not None else api.rank()
     first = tensor.shape[0] if tensor.shape else 1

@@ -15,6 +15,8 @@ as an ordered host callback, see :mod:`hvdlike.jax.ops`).
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Optional
 
 import optax
@@ -23,7 +25,30 @@ from hvdlike.core.messages import ReduceOp
 from hvdlike.core.process_sets import global_process_set
 from hvdlike.frontend.submit import name_for
 
+from .convert import FRONTEND
 from .pytree import allreduce_pytree
+
+_OPS = (ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT)
+
+
+def _check_op(op, what: str) -> ReduceOp:
+    try:
+        reduce_op = ReduceOp(op)
+    except ValueError:
+        raise ValueError(f"{FRONTEND}.{what}: unknown reduction op {op!r}; use hvd.Average "
+                         f"or hvd.Sum") from None
+    if reduce_op not in _OPS:
+        raise ValueError(f"{FRONTEND}.{what}: op {reduce_op.name.title()} is not available "
+                         f"in hvdlike.jax; use hvd.Average or hvd.Sum")
+    return reduce_op
+
+
+def _check_factor(factor, what: str) -> float:
+    if (isinstance(factor, bool) or not isinstance(factor, numbers.Real)
+            or not math.isfinite(factor) or factor <= 0):
+        raise ValueError(f"{FRONTEND}.{what}: gradient_predivide_factor must be a positive "
+                         f"finite number, got {factor!r}")
+    return float(factor)
 
 
 def allreduce_gradients(op=ReduceOp.AVERAGE, name: Optional[str] = None,
@@ -45,11 +70,13 @@ def allreduce_gradients(op=ReduceOp.AVERAGE, name: Optional[str] = None,
         ValueError: ``gradient_predivide_factor`` is used with an op other
             than ``Average``.
     """
-    op = ReduceOp(op)
+    op = _check_op(op, "allreduce_gradients")
+    gradient_predivide_factor = _check_factor(gradient_predivide_factor, "allreduce_gradients")
     prescale, postscale = 1.0, 1.0
     if gradient_predivide_factor != 1.0:
         if op != ReduceOp.AVERAGE:
-            raise ValueError("gradient_predivide_factor needs op=Average")
+            raise ValueError(f"{FRONTEND}.allreduce_gradients: gradient_predivide_factor "
+                             f"needs op=Average")
         prescale = 1.0 / gradient_predivide_factor
         postscale = gradient_predivide_factor
     chosen = [name]
@@ -86,8 +113,16 @@ def DistributedOptimizer(optimizer: optax.GradientTransformation, op=ReduceOp.AV
         >>> tx = hvd.DistributedOptimizer(optax.sgd(0.1 * hvd.size()))
         >>> opt_state = hvd.broadcast_pytree(tx.init(params), root_rank=0)
     """
-    if int(backward_passes_per_step) < 1:
-        raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
+    if not (callable(getattr(optimizer, "init", None))
+            and callable(getattr(optimizer, "update", None))):
+        raise TypeError(f"{FRONTEND}.DistributedOptimizer expects an optax "
+                        f"GradientTransformation (e.g. optax.sgd(0.1)), got "
+                        f"{type(optimizer).__module__}.{type(optimizer).__qualname__}")
+    steps = backward_passes_per_step
+    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
+        raise ValueError(f"{FRONTEND}.DistributedOptimizer: backward_passes_per_step must be "
+                         f"an int >= 1, got {backward_passes_per_step!r}")
+    backward_passes_per_step = int(steps)
     tx = optax.chain(allreduce_gradients(op, name, gradient_predivide_factor, process_set),
                      optimizer)
     if backward_passes_per_step > 1:

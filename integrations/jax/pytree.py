@@ -3,8 +3,9 @@
 A pytree's array leaves travel together (one negotiation, fused where the
 core can fuse); leaves that are not arrays (step counters kept as Python
 ints, strings, ...) travel as one pickled object. The tree structure itself
-is not sent: every rank must hold a tree of the same structure, as it does
-when every rank built the model with the same code.
+is only compared: every rank must hold a tree of the same structure, as it
+does when every rank built the model with the same code; ranks whose trees
+differ all get a ``ValueError`` naming them, before any leaf travels.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import numpy as np
 from hvdlike.core.process_sets import global_process_set
 from hvdlike.frontend import synchronize
 from hvdlike.frontend.submit import name_for
-from hvdlike.frontend.objects import broadcast_object
+from hvdlike.frontend.objects import allgather_object, broadcast_object
 
 from . import ops
 from .convert import FRONTEND, is_traced
@@ -51,6 +52,7 @@ def broadcast_pytree(tree: Any, root_rank: int = 0, name: Optional[str] = None,
         raise TypeError(f"{FRONTEND}.broadcast_pytree cannot run inside jax.jit; broadcast "
                         f"the initial state once, before the training step")
     base = name_for(name, "broadcast_pytree", process_set)
+    _check_same_structure(leaves, treedef, f"{base}.structure", process_set)
     arrays = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
     others = [i for i, leaf in enumerate(leaves) if not _is_array(leaf)]
     for i in arrays:  # refuse a bad leaf before anything is in flight
@@ -66,6 +68,31 @@ def broadcast_pytree(tree: Any, root_rank: int = 0, name: Optional[str] = None,
     for i, handle in zip(arrays, handles):
         out[i] = synchronize(handle)
     return jax.tree.unflatten(treedef, out)
+
+
+def _describe(leaves, treedef) -> str:
+    kinds = ",".join("array" if _is_array(leaf) else "object" for leaf in leaves)
+    return f"{treedef} leaves: [{kinds}]"
+
+
+def _check_same_structure(leaves, treedef, name: str, process_set) -> None:
+    """Raise on every rank unless every rank holds a tree of the same structure.
+
+    Without this check a rank whose tree has other keys or more leaves would
+    silently keep some of its own values, or wait for broadcasts nobody sends.
+    """
+    mine = _describe(leaves, treedef)
+    everyone = allgather_object(mine, name=name, process_set=process_set)
+    if all(d == everyone[0] for d in everyone):
+        return
+    members = (list(range(len(everyone))) if process_set is global_process_set
+               or process_set is None else list(process_set.ranks))
+    groups = {}
+    for rank, description in zip(members, everyone):
+        groups.setdefault(description, []).append(rank)
+    lines = "\n".join(f"  ranks {ranks}: {description}" for description, ranks in groups.items())
+    raise ValueError(f"{FRONTEND}.broadcast_pytree: ranks hold pytrees of different "
+                     f"structures; every rank must pass the same structure:\n{lines}")
 
 
 def broadcast_variables(variables: Any, root_rank: int = 0, name: Optional[str] = None,

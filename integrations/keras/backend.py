@@ -46,8 +46,24 @@ def frontend_for(value: Any = None):
     return importlib.import_module(f"hvdlike.{name}")
 
 
+def _tensor_compatible(value, what: str):
+    """Python numbers and (nested) lists of them as backend tensors, as Horovod's Keras API takes.
+
+    Backend tensors and numpy values pass through unchanged; anything else is
+    left for the backend's front end to refuse, naming its type.
+    """
+    if isinstance(value, (bool, int, float, list, tuple)):
+        try:
+            return keras.ops.convert_to_tensor(value)
+        except Exception as exc:
+            raise TypeError(f"{FRONTEND}.{what}: cannot convert {type(value).__name__} "
+                            f"{value!r:.80} to a tensor: {exc}") from None
+    return value
+
+
 def allreduce(value, name: Optional[str] = None, op=None, process_set=global_process_set):
-    """Reduce a backend tensor or numpy array across ranks (default Average)."""
+    """Reduce a backend tensor, numpy array or Python number/list across ranks (default Average)."""
+    value = _tensor_compatible(value, "allreduce")
     front = frontend_for(value)
     return front.allreduce(value, name=name, op=front.Average if op is None else op,
                            process_set=process_set)
@@ -57,6 +73,10 @@ def grouped_allreduce(values: Sequence, name: Optional[str] = None, op=None,
                       prescale_factor=1.0, postscale_factor=1.0,
                       process_set=global_process_set) -> list:
     """Reduce a list of backend tensors as one fused unit (works inside the jitted step)."""
+    if not isinstance(values, (list, tuple)):
+        raise TypeError(f"{FRONTEND}.grouped_allreduce expects a list of tensors, got "
+                        f"{type(values).__name__}")
+    values = [_tensor_compatible(v, "grouped_allreduce") for v in values]
     front = frontend_for(values[0] if values else None)
     return list(front.grouped_allreduce(list(values), name=name,
                                         op=front.Average if op is None else op,
@@ -67,12 +87,14 @@ def grouped_allreduce(values: Sequence, name: Optional[str] = None, op=None,
 
 def allgather(value, name: Optional[str] = None, process_set=global_process_set):
     """Concatenate every rank's tensor along dimension 0."""
+    value = _tensor_compatible(value, "allgather")
     return frontend_for(value).allgather(value, name=name, process_set=process_set)
 
 
 def broadcast(value, root_rank: int, name: Optional[str] = None,
               process_set=global_process_set):
     """Return ``root_rank``'s tensor on every rank."""
+    value = _tensor_compatible(value, "broadcast")
     return frontend_for(value).broadcast(value, root_rank, name=name, process_set=process_set)
 
 

@@ -17,6 +17,9 @@ trainer reload it before the next step.
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import keras
 import numpy as np
 
@@ -46,7 +49,10 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
 
     def __init__(self, root_rank: int = 0, process_set=global_process_set):
         super().__init__()
-        self.root_rank = root_rank
+        if isinstance(root_rank, bool) or not isinstance(root_rank, numbers.Integral):
+            raise TypeError(f"BroadcastGlobalVariablesCallback: root_rank must be an int, got "
+                            f"{type(root_rank).__name__}")
+        self.root_rank = int(root_rank)
         self.process_set = process_set
         self.broadcast_done = False
 
@@ -100,6 +106,14 @@ def _is_number(value) -> bool:
         return False
 
 
+def _check_number(what: str, value, positive: bool) -> None:
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real)
+            or not math.isfinite(value) or value < 0 or (positive and value == 0)):
+        kind = "> 0" if positive else ">= 0"
+        raise ValueError(f"LearningRateWarmupCallback: {what} must be a finite number {kind}, "
+                         f"got {value!r}")
+
+
 class LearningRateWarmupCallback(keras.callbacks.Callback):
     """Linear learning-rate warmup from ``initial_lr / size`` to ``initial_lr``.
 
@@ -128,8 +142,12 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
     def __init__(self, initial_lr: float, warmup_epochs: float = 5, momentum_correction=True,
                  steps_per_epoch=None, verbose=0):
         super().__init__()
-        if warmup_epochs <= 0:
-            raise ValueError(f"warmup_epochs must be > 0, got {warmup_epochs}")
+        _check_number("initial_lr", initial_lr, positive=False)
+        _check_number("warmup_epochs", warmup_epochs, positive=True)
+        if steps_per_epoch is not None and (isinstance(steps_per_epoch, bool) or not isinstance(
+                steps_per_epoch, numbers.Integral) or steps_per_epoch < 1):
+            raise ValueError(f"LearningRateWarmupCallback: steps_per_epoch must be None or an "
+                             f"int >= 1, got {steps_per_epoch!r}")
         self.initial_lr = float(initial_lr)
         self.warmup_epochs = warmup_epochs
         self.momentum_correction = momentum_correction

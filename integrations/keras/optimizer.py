@@ -10,6 +10,8 @@ optimizer's own logic (loss scaling, accumulation, EMA...) runs.
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Optional
 
 from hvdlike.core.messages import ReduceOp
@@ -69,10 +71,24 @@ def DistributedOptimizer(optimizer, name: Optional[str] = None, op=ReduceOp.AVER
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(f"{FRONTEND}.DistributedOptimizer expects a keras.optimizers.Optimizer, "
                         f"got {type(optimizer).__module__}.{type(optimizer).__qualname__}")
-    op = ReduceOp(op)
+    if isinstance(optimizer, _DistributedMixin):
+        raise ValueError(f"{FRONTEND}.DistributedOptimizer: the optimizer already averages "
+                         f"its gradients across ranks (it was returned by "
+                         f"DistributedOptimizer); wrapping it again would reduce every "
+                         f"gradient twice")
+    try:
+        op = ReduceOp(op)
+    except ValueError:
+        raise ValueError(f"{FRONTEND}.DistributedOptimizer: unknown reduction op {op!r}; "
+                         f"use hvd.Average or hvd.Sum") from None
     if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
         raise ValueError(f"{FRONTEND}.DistributedOptimizer: op must be Average or Sum, "
                          f"got {op.name.title()}")
+    factor = gradient_predivide_factor
+    if (isinstance(factor, bool) or not isinstance(factor, numbers.Real)
+            or not math.isfinite(factor) or factor <= 0):
+        raise ValueError(f"{FRONTEND}.DistributedOptimizer: gradient_predivide_factor must be "
+                         f"a positive finite number, got {factor!r}")
     prescale = postscale = 1.0
     if gradient_predivide_factor != 1.0:
         if op != ReduceOp.AVERAGE:
@@ -81,7 +97,14 @@ def DistributedOptimizer(optimizer, name: Optional[str] = None, op=ReduceOp.AVER
         prescale, postscale = 1.0 / gradient_predivide_factor, gradient_predivide_factor
     base = type(optimizer)
     cls = type(base.__name__, (_DistributedMixin, base), {"__module__": base.__module__})
-    wrapped = cls.from_config(optimizer.get_config())
+    try:
+        wrapped = cls.from_config(optimizer.get_config())
+    except Exception as exc:
+        raise TypeError(
+            f"{FRONTEND}.DistributedOptimizer builds a copy of the optimizer from its "
+            f"configuration, and {base.__module__}.{base.__qualname__}.from_config("
+            f"optimizer.get_config()) failed: {type(exc).__name__}: {exc} (a custom optimizer "
+            f"must return every argument of its __init__ from get_config)") from exc
     wrapped._hvd_settings = {"name": name, "op": op, "prescale": prescale,
                              "postscale": postscale, "process_set": process_set}
     return wrapped

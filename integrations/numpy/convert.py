@@ -67,6 +67,10 @@ class NumpyAdapter(Adapter):
             kind = "a writable numpy.ndarray" if writable else "a numpy.ndarray"
             raise TypeError(f"{FRONTEND}.{what} expects {kind}, got "
                             f"{type(value).__module__}.{type(value).__qualname__}{_hint(value)}")
+        if isinstance(value, np.ma.MaskedArray):
+            raise TypeError(f"{FRONTEND}.{what}: got a numpy masked array; collectives would "
+                            f"ignore its mask and communicate the masked-out values too (pass "
+                            f"value.filled(fill) or value.data to choose what travels)")
         if value.dtype.kind not in _KINDS and not _is_bfloat16(value.dtype):
             raise TypeError(f"{FRONTEND}.{what}: numpy arrays of dtype {value.dtype} cannot be "
                             f"communicated; use a numeric or bool dtype (for Python objects "

@@ -79,3 +79,37 @@ def test_forged_payload_is_refused_by_every_rank(forge, capsys):
     assert result.exit_code == 3
     assert "refused its payload" in err and "authentication failed" in err
     assert "pwned" not in err
+
+
+def _rank_one_leaves_without_a_word():
+    import torch
+
+    torch.set_num_threads(1)
+    import hvdlike.torch as hvd
+
+    hvd.init()
+    if hvd.rank() == 1:
+        os._exit(0)
+    return hvd.allreduce(torch.ones(1)).item()
+
+
+def test_the_rank_that_left_is_named_not_the_peer_it_stranded():
+    # Rank 0's own error (its peer died) is a consequence; rank 1 is the cause.
+    with pytest.raises(RankError, match=r"rank 1 \(host localhost\) exited with code 0 "
+                                        r"without a result") as info:
+        hvdlike.run(_rank_one_leaves_without_a_word, np=2)
+    assert info.value.rank == 1
+
+
+def test_arguments_and_results_bigger_than_one_store_message_round_trip():
+    # The store refuses a message above 8 MiB; blobs travel in pieces.
+    big = bytes(range(256)) * (40 << 12)  # 10 MiB
+    results = hvdlike.run(lambda data: data[::-1] + b"!", args=(big,), np=2)
+    assert results == [big[::-1] + b"!"] * 2
+
+
+def test_knobs_given_by_field_reach_the_ranks_in_their_own_unit():
+    results = hvdlike.run(lambda: (os.environ.get("HVDLIKE_SHM"),
+                                   os.environ.get("HVDLIKE_FUSION_THRESHOLD")),
+                          np=1, knobs={"shm": False, "fusion_threshold": 4096})
+    assert results == [("0", "4096")]
