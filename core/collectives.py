@@ -9,6 +9,9 @@ site; checks across ranks happen in the coordinator.
 
 from __future__ import annotations
 
+import math
+import numbers
+import operator
 from typing import Any, Callable, List, Sequence
 
 import torch
@@ -73,11 +76,27 @@ def check_op(op: Any, what: str, allowed: Sequence[ReduceOp] = tuple(ReduceOp)) 
 
 
 def check_root(root_rank: Any, size: int, what: str) -> int:
-    if isinstance(root_rank, bool) or not isinstance(root_rank, int):
-        raise TypeError(f"{what}: root_rank must be an int, got {type(root_rank).__name__}")
+    if type(root_rank) is not int:  # numpy ints and other integer types are fine
+        index = None
+        if not isinstance(root_rank, bool):
+            try:
+                index = operator.index(root_rank)
+            except TypeError:
+                pass
+        if index is None:
+            raise TypeError(f"{what}: root_rank must be an int, got "
+                            f"{type(root_rank).__name__}")
+        root_rank = index
     if not 0 <= root_rank < size:
         raise ValueError(f"{what}: root_rank {root_rank} is out of range for {size} rank(s)")
     return root_rank
+
+
+def _check_factors(prescale: float, postscale: float, what: str) -> None:
+    """Scale factors must be finite: a NaN would also never equal the other ranks'."""
+    for label, value in (("prescale_factor", prescale), ("postscale_factor", postscale)):
+        if not math.isfinite(value):
+            raise ValueError(f"{what}: {label} must be a finite number, got {value}")
 
 
 def _request(op: OpType, tensor: torch.Tensor, name: str, **fields) -> Request:
@@ -122,6 +141,7 @@ def allreduce_entry(tensor, name: str, op=ReduceOp.AVERAGE, prescale_factor=1.0,
         request = known[0]
     else:
         check_tensor(tensor, "allreduce", REDUCIBLE)
+        _check_factors(prescale, postscale, "allreduce")
         if reduce_op is _ADASUM and not tensor.is_floating_point():
             raise TypeError(f"allreduce: op Adasum needs a floating-point tensor, got "
                             f"{dtype_name(tensor.dtype)}")
@@ -175,9 +195,17 @@ def alltoall_entry(tensor, splits, size: int, name: str) -> Entry:
         split_list = [first // size] * size
     else:
         if isinstance(splits, torch.Tensor):
+            if splits.is_floating_point() or splits.is_complex():
+                raise TypeError(f"alltoall: splits must be integers, got a "
+                                f"{str(splits.dtype).replace('torch.', '')} tensor")
             split_list = [int(s) for s in splits.reshape(-1).tolist()]
         else:
-            split_list = [int(s) for s in splits]
+            split_list = []
+            for i, s in enumerate(splits):
+                if isinstance(s, bool) or not isinstance(s, numbers.Integral):
+                    raise TypeError(f"alltoall: splits must be integers; splits[{i}] is "
+                                    f"{type(s).__name__} {s!r:.40}")
+                split_list.append(int(s))
         if len(split_list) != size:
             raise ValueError(f"alltoall: splits has {len(split_list)} entries, expected one "
                              f"per rank ({size})")
@@ -196,8 +224,10 @@ def reducescatter_entry(tensor, name: str, op=ReduceOp.AVERAGE, prescale_factor=
     if tensor.dim() == 0:
         raise ValueError("reducescatter needs a tensor with at least one dimension")
     reduce_op = check_op(op, "reducescatter", _REDUCESCATTER_OPS)
+    prescale, postscale = float(prescale_factor), float(postscale_factor)
+    _check_factors(prescale, postscale, "reducescatter")
     request = _request(OpType.REDUCESCATTER, tensor, name, reduce_op=reduce_op,
-                       prescale=float(prescale_factor), postscale=float(postscale_factor),
+                       prescale=prescale, postscale=postscale,
                        group=group, group_size=group_size)
     return Entry(request, tensor, None, None)
 

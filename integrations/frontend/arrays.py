@@ -283,7 +283,7 @@ class ArrayOps:
         """Start an alltoall; ``splits[i]`` rows of ``tensor`` go to rank ``i``."""
         t = self._tensor(tensor, "alltoall")
         if splits is not None and not isinstance(splits, (list, tuple, torch.Tensor)):
-            splits = [int(s) for s in _flat(splits)]
+            splits = _flat(splits)  # not int(): fractional splits are refused, not truncated
         entry = self._build("alltoall", lambda: core.alltoall_entry(
             t, splits, set_size(process_set), name_for(name, "alltoall", process_set)))
         convert = self.adapter.from_torch
@@ -345,7 +345,7 @@ class ArrayOps:
 
 
 def _flat(values):
-    """Split counts given as any array type, flattened to Python ints."""
+    """Split counts given as any array type, flattened to Python scalars."""
     if hasattr(values, "tolist"):
         values = values.tolist()
     out = []

@@ -185,3 +185,47 @@ def test_in_place_collectives_refuse_an_expanded_tensor_before_submitting():
     strided = torch.zeros(4, 4).t()
     assert collectives.allreduce_entry(strided, "w", inplace=True).finish is not None
     assert collectives.broadcast_entry(strided, 0, 2, "v", inplace=True).finish is not None
+
+
+def test_scale_factors_must_be_finite_and_splits_whole_and_roots_any_integer_type():
+    # A NaN factor would never equal the other ranks' (a false mismatch); a fractional
+    # split was truncated, so the error named splits the caller never passed; a numpy
+    # integer root is what an index into an array gives, and Horovod takes it.
+    import torch
+
+    from hvdlike.core import collectives
+
+    for pre, post, bad in ((float("nan"), 1.0, "prescale_factor"),
+                           (1.0, float("inf"), "postscale_factor")):
+        with pytest.raises(ValueError) as err:
+            collectives.allreduce_entry(torch.ones(2), "nan.factor", prescale_factor=pre,
+                                        postscale_factor=post)
+        assert str(err.value).startswith(f"allreduce: {bad} must be a finite number, got ")
+        with pytest.raises(ValueError) as err:
+            collectives.reducescatter_entry(torch.ones(2), "rs", prescale_factor=pre,
+                                            postscale_factor=post)
+        assert str(err.value).startswith(f"reducescatter: {bad} must be a finite number")
+    with pytest.raises(TypeError) as err:
+        collectives.alltoall_entry(torch.ones(4), [1.5, 2.5], 2, "a2a")
+    assert str(err.value) == "alltoall: splits must be integers; splits[0] is float 1.5"
+    with pytest.raises(TypeError) as err:
+        collectives.alltoall_entry(torch.ones(4), torch.tensor([2.0, 2.0]), 2, "a2a")
+    assert str(err.value) == "alltoall: splits must be integers, got a float32 tensor"
+    assert collectives.alltoall_entry(torch.ones(4), np.array([1, 3]), 2, "a2a") is not None
+    assert collectives.check_root(np.int64(1), 2, "broadcast") == 1
+    assert type(collectives.check_root(np.int64(1), 2, "broadcast")) is int
+    for bad_root in (True, 1.0, "1", None):
+        with pytest.raises(TypeError):
+            collectives.check_root(bad_root, 2, "broadcast")
+    with pytest.raises(ValueError):
+        collectives.check_root(np.int64(2), 2, "broadcast")
+
+
+def test_numpy_alltoall_refuses_fractional_splits_instead_of_truncating():
+    import hvdlike.numpy as hnp
+
+    with pytest.raises(TypeError) as err:
+        hnp.alltoall(np.arange(4.0), splits=np.array([1.5, 2.5]))
+    assert str(err.value).endswith("alltoall: splits must be integers; splits[0] is float 1.5")
+    received, splits = hnp.alltoall(np.arange(4.0), splits=np.array([4]))  # one rank
+    assert received.tolist() == [0.0, 1.0, 2.0, 3.0] and list(splits) == [4]
