@@ -12,7 +12,8 @@ from __future__ import annotations
 import functools
 from typing import Callable, Optional
 
-from hvdlike.core.errors import HorovodInternalError, HostsUpdatedInterrupt, MismatchError
+from hvdlike.core.errors import (DeadlockError, HorovodInternalError, HostsUpdatedInterrupt,
+                                 MismatchError)
 from hvdlike.core.log import logger
 
 from . import worker as worker_mod
@@ -32,17 +33,33 @@ def run_fn(func: Callable, reset: Callable[[], None],
         def is_elastic() -> bool:
             return worker_mod.context().enabled
 
+    name = getattr(func, "__qualname__", None) or repr(func)
+
     @functools.wraps(func)
     def wrapper(state, *args, **kwargs):
+        missing = [m for m in ("sync", "restore", "on_reset") if not hasattr(state, m)]
+        if missing:
+            raise TypeError(
+                f"hvd.elastic.run: the first argument of {name}() must be the elastic state "
+                f"(hvd.elastic.TorchState, ObjectState ...), got {type(state).__name__} (it has no "
+                f"{', '.join(missing)})")
         skip_sync = False
+        reformed = False
         while True:
             try:
+                if reformed:
+                    # Inside the try: a reset callback's collective that fails on a
+                    # peer lost during the re-form is retried like any other.
+                    reformed = False
+                    state.on_reset()
                 if not skip_sync:
                     state.sync()
                 return func(state, *args, **kwargs)
             except HorovodInternalError as exc:
-                if not is_elastic() or isinstance(exc, MismatchError):
-                    raise  # ranks that disagree would disagree again after a re-form
+                if not is_elastic() or isinstance(exc, (MismatchError, DeadlockError)):
+                    # Ranks that disagree, or wait on each other, would do so again
+                    # after a re-form (and nobody left: no new generation would come).
+                    raise
                 logger.warning("collective failed (%s); restoring the last commit and "
                                "re-forming", exc)
                 state.restore()
@@ -52,7 +69,7 @@ def run_fn(func: Callable, reset: Callable[[], None],
                     raise
                 skip_sync = exc.skip_sync
             reset()
-            state.on_reset()
+            reformed = True
 
     return wrapper
 

@@ -15,6 +15,39 @@ from hvdlike.core.errors import HostsUpdatedInterrupt
 
 from . import worker as worker_mod
 
+# Attributes every state object keeps for itself: a keyword argument of that name
+# would overwrite them.
+_INTERNAL = frozenset({"_bcast_object", "_get_rank", "_allgather_object", "_newest",
+                       "_reset_callbacks", "_worker", "_saved", "_handlers"})
+
+
+def check_names(state: "State", names) -> None:
+    """Raise a ValueError naming every keyword of ``names`` that would hide one of
+    ``state``'s methods or properties (``commit``, ``save``, ``sync`` ...) or its
+    own bookkeeping."""
+    clashes = sorted(name for name in names
+                     if name in _INTERNAL or hasattr(type(state), name))
+    if clashes:
+        raise ValueError(
+            f"{type(state).__name__}: cannot keep state under the name(s) "
+            f"{', '.join(repr(n) for n in clashes)}: {type(state).__name__} uses them itself "
+            f"(methods such as commit, save, restore, sync); choose other names")
+
+
+def copy_value(state: "State", name: str, value: Any, memo: Optional[dict] = None) -> Any:
+    """A deep copy of attribute ``name`` for a commit; a TypeError naming the
+    attribute when its value cannot be copied (a lock, a file, a generator, a
+    tensor that is part of an autograd graph ...). Copies sharing one ``memo``
+    keep the objects the attributes share shared."""
+    try:
+        return copy.deepcopy(value, memo)
+    except Exception as exc:
+        raise TypeError(
+            f"{type(state).__name__} attribute {name!r}: a {type(value).__name__} cannot be "
+            f"copied for a commit ({exc}); elastic state must be copyable and picklable "
+            f"(numbers, containers, tensors without autograd history, arrays) -- keep this "
+            f"object outside the state") from exc
+
 
 class State:
     """Base of every elastic state object.
@@ -42,7 +75,22 @@ class State:
     # -- the elastic protocol -------------------------------------------------------
 
     def register_reset_callbacks(self, callbacks: List[Callable[[], None]]) -> None:
-        """Call each of ``callbacks`` after every re-form (e.g. to rescale the learning rate)."""
+        """Call each of ``callbacks`` after every re-form (e.g. to rescale the learning rate).
+
+        A single callable is accepted as well. Raises TypeError at once for anything
+        that cannot be called, rather than at the first re-form.
+        """
+        if callable(callbacks):
+            callbacks = [callbacks]
+        try:
+            callbacks = list(callbacks)
+        except TypeError:
+            raise TypeError(f"register_reset_callbacks takes a list of callables, got "
+                            f"{type(callbacks).__name__} {callbacks!r:.100}") from None
+        for callback in callbacks:
+            if not callable(callback):
+                raise TypeError(f"register_reset_callbacks: {callback!r:.100} "
+                                f"({type(callback).__name__}) is not callable")
         self._reset_callbacks.extend(callbacks)
 
     def on_reset(self) -> None:
@@ -109,9 +157,13 @@ class ObjectState(State):
     """
 
     def __init__(self, bcast_object: Callable, get_rank: Callable[[], int],
-                 allgather_object: Optional[Callable] = None, **kwargs: Any):
+                 allgather_object: Optional[Callable] = None, /, **kwargs: Any):
+        # Positional-only: a state attribute may be called ``get_rank`` too.
+        check_names(self, kwargs)
         super().__init__(bcast_object, get_rank, allgather_object)
-        object.__setattr__(self, "_saved", copy.deepcopy(kwargs))
+        memo: dict = {}
+        object.__setattr__(self, "_saved", {name: copy_value(self, name, value, memo)
+                                            for name, value in kwargs.items()})
         for name, value in kwargs.items():
             object.__setattr__(self, name, value)
 
@@ -119,14 +171,16 @@ class ObjectState(State):
         if not name.startswith("_") and name not in self._saved:
             # An attribute added later is tracked from its first assignment on,
             # as Horovod's state objects allow.
-            self._saved[name] = copy.deepcopy(value)
+            self._saved[name] = copy_value(self, name, value)
         object.__setattr__(self, name, value)
 
     def _values(self) -> Dict[str, Any]:
         return {name: getattr(self, name) for name in self._saved}
 
     def save(self) -> None:
-        object.__setattr__(self, "_saved", copy.deepcopy(self._values()))
+        memo: dict = {}
+        object.__setattr__(self, "_saved", {name: copy_value(self, name, value, memo)
+                                            for name, value in self._values().items()})
 
     def restore(self) -> None:
         self._load_saved()

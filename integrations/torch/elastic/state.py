@@ -9,7 +9,7 @@ import torch
 
 from hvdlike.core import api
 from hvdlike.core.elastic import ObjectState
-from hvdlike.core.elastic.state import use_allreduce
+from hvdlike.core.elastic.state import check_names, use_allreduce
 
 from ..functions import broadcast_optimizer_state, broadcast_parameters
 from ..objects import allgather_object, broadcast_object
@@ -86,14 +86,29 @@ class _SamplerHandler(_Handler):
 
     def sync(self) -> None:
         # Rank 0's epoch; the processed indices of every rank in that epoch.
-        mine = self.value.state_dict()
+        sampler = self.value
+        mine = dict(sampler.state_dict(), length=len(sampler.dataset),
+                    shuffle=sampler.shuffle, seed=sampler.seed)
         everyone = allgather_object(mine)
+        # Ranks that deal from different permutations would process some samples
+        # twice and others never (and run unequal numbers of batches): refuse.
+        for what in ("length", "shuffle", "seed"):
+            if what == "seed" and not sampler.shuffle:
+                continue  # no permutation: the seed is not used
+            seen = [state.get(what) for state in everyone]
+            if len(set(seen)) > 1:
+                label = "len(dataset)" if what == "length" else what
+                raise ValueError(
+                    f"ElasticSampler: the ranks' samplers disagree on {label}: "
+                    + ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(seen))
+                    + " (every rank must build it over the same dataset with the same "
+                    "shuffle and seed)")
         epoch = everyone[0]["epoch"]
         processed = set()
         for state in everyone:
             if state["epoch"] == epoch:
                 processed.update(state["processed_indices"])
-        self.value.load_state_dict({"epoch": epoch, "processed_indices": sorted(processed)})
+        sampler.load_state_dict({"epoch": epoch, "processed_indices": sorted(processed)})
 
     def reset(self) -> None:
         self.value.reset()
@@ -122,6 +137,7 @@ class TorchState(ObjectState):
     """
 
     def __init__(self, model=None, optimizer=None, **kwargs: Any):
+        check_names(self, kwargs)
         kwargs.update(model=model, optimizer=optimizer)
         handlers: Dict[str, _Handler] = {}
         plain: Dict[str, Any] = {}
@@ -142,11 +158,21 @@ class TorchState(ObjectState):
         use_allreduce(self)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        handlers = self.__dict__.get("_handlers", {})
-        if name in handlers:
-            handlers[name] = _handler_for(value) or handlers[name]
+        handlers = self.__dict__.get("_handlers")
+        if handlers is None or name.startswith("_"):
             object.__setattr__(self, name, value)
             return
+        handler = _handler_for(value)
+        if handler is not None:
+            # A module, optimizer or sampler -- given now or in place of another --
+            # is kept by its state dict in place, never deep-copied and swapped for
+            # a copy (the optimizer and the data loader hold this very object).
+            handlers[name] = handler
+            self._saved.pop(name, None)
+            object.__setattr__(self, name, value)
+            return
+        if name in handlers:  # no longer a framework object: a plain attribute from now on
+            del handlers[name]
         super().__setattr__(name, value)
 
     def save(self) -> None:
