@@ -1,5 +1,7 @@
 """The framework-neutral elastic core and the torch sampler, without processes."""
 
+import logging
+
 import pytest
 
 from hvdlike.core.elastic import ObjectState, run_fn
@@ -132,6 +134,21 @@ def test_a_process_left_out_exits_cleanly():
 
 
 def test_a_process_waiting_when_another_rank_completed_the_job_leaves_cleanly(caplog):
+    # A runtime initialized earlier in this process (another test file) stops the
+    # "hvdlike" logger's propagation to the root: listen on that logger itself.
+    from hvdlike.core.log import logger
+
+    logger.addHandler(caplog.handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        _finishing_job_is_left_cleanly(caplog)
+    finally:
+        logger.removeHandler(caplog.handler)
+        logger.setLevel(level)
+
+
+def _finishing_job_is_left_cleanly(caplog):
     store = FakeStore()
     _publish(store, 1, ["w0", "w1"])
     ctx, _ = _context(store, worker="w1")
