@@ -183,6 +183,29 @@ def broadcast_entry(tensor, root_rank: int, size: int, name: str, inplace=False)
     return Entry(request, tensor, output, None, finish)
 
 
+def split_counts(splits, what: str) -> List[int]:
+    """``splits`` (a sequence of integers or a 1-D integer tensor) as a list of ints;
+    a TypeError naming what is wrong otherwise -- never a truncated float."""
+    if isinstance(splits, torch.Tensor):
+        dtype = str(splits.dtype).replace("torch.", "")
+        if splits.is_floating_point() or splits.is_complex() or splits.dtype == torch.bool:
+            raise TypeError(f"{what}: splits must be integers, got a {dtype} tensor")
+        if splits.dim() > 1:
+            raise TypeError(f"{what}: splits must be a 1-D integer tensor or a list of ints, "
+                            f"got a {splits.dim()}-D {dtype} tensor")
+        return [int(s) for s in splits.reshape(-1).tolist()]
+    if isinstance(splits, (str, bytes)) or not hasattr(splits, "__iter__"):
+        raise TypeError(f"{what}: splits must be a list of ints or a 1-D integer tensor, got "
+                        f"{type(splits).__name__} {splits!r:.60}")
+    out = []
+    for i, s in enumerate(splits):
+        if isinstance(s, bool) or not isinstance(s, numbers.Integral):
+            raise TypeError(f"{what}: splits must be integers; splits[{i}] is "
+                            f"{type(s).__name__} {s!r:.40}")
+        out.append(int(s))
+    return out
+
+
 def alltoall_entry(tensor, splits, size: int, name: str) -> Entry:
     tensor = check_tensor(tensor, "alltoall")
     if tensor.dim() == 0:
@@ -194,18 +217,7 @@ def alltoall_entry(tensor, splits, size: int, name: str) -> Entry:
                              f"across {size} ranks; pass splits")
         split_list = [first // size] * size
     else:
-        if isinstance(splits, torch.Tensor):
-            if splits.is_floating_point() or splits.is_complex():
-                raise TypeError(f"alltoall: splits must be integers, got a "
-                                f"{str(splits.dtype).replace('torch.', '')} tensor")
-            split_list = [int(s) for s in splits.reshape(-1).tolist()]
-        else:
-            split_list = []
-            for i, s in enumerate(splits):
-                if isinstance(s, bool) or not isinstance(s, numbers.Integral):
-                    raise TypeError(f"alltoall: splits must be integers; splits[{i}] is "
-                                    f"{type(s).__name__} {s!r:.40}")
-                split_list.append(int(s))
+        split_list = split_counts(splits, "alltoall")
         if len(split_list) != size:
             raise ValueError(f"alltoall: splits has {len(split_list)} entries, expected one "
                              f"per rank ({size})")

@@ -23,7 +23,7 @@ from .hosts import HostSlots, parse_hosts
 from .job import Job
 from .launch_config import LaunchConfig, SshOptions, effective_settings
 from .monitor import describe_exit
-from .task import REFUSED
+from .task import LOADING_ENV, REFUSED
 from .payload import (
     MAX_BLOB_BYTES, PAYLOAD_KEY, PayloadError, get, put, result_key, seal, unseal,
 )
@@ -219,7 +219,7 @@ def run(
         >>> hvdlike.run(lambda: __import__("os").environ["HVDLIKE_RANK"], np=2)
         ['0', '1']
     """
-    if os.environ.get("HVDLIKE_RUN_LOADING"):  # see launcher/task.py
+    if os.environ.get(LOADING_ENV):  # set by a rank loading its function (task.py)
         raise LaunchError(
             "hvdlike.run was called while a rank of another hvdlike.run job was loading its "
             "function: the module that defines the function calls hvdlike.run when it is "

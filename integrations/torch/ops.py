@@ -83,29 +83,6 @@ def _check_compression(compression, what: str) -> None:
                         f"{type(compression).__name__}")
 
 
-def _split_list(splits, what: str):
-    """``splits`` as a list of ints (None stays None), or a TypeError saying why not."""
-    if splits is None:
-        return None
-    if isinstance(splits, torch.Tensor):
-        if (splits.is_floating_point() or splits.is_complex() or splits.dtype == torch.bool
-                or splits.dim() > 1):
-            raise TypeError(f"{what}: splits must be a 1-D integer tensor or a list of ints, "
-                            f"got a {splits.dim()}-D {str(splits.dtype).replace('torch.', '')} "
-                            "tensor")
-        return [int(s) for s in splits.reshape(-1).tolist()]
-    if isinstance(splits, (str, bytes)) or not hasattr(splits, "__iter__"):
-        raise TypeError(f"{what}: splits must be a list of ints or a 1-D integer tensor, got "
-                        f"{type(splits).__name__} {splits!r:.60}")
-    out = []
-    for i, s in enumerate(splits):
-        if isinstance(s, bool) or not isinstance(s, numbers.Integral):
-            raise TypeError(f"{what}: splits must hold ints; splits[{i}] is "
-                            f"{type(s).__name__} {s!r:.40}")
-        out.append(int(s))
-    return out
-
-
 def _submit(entries, process_set):
     return submit(entries, process_set, "hvdlike.torch")
 
@@ -299,7 +276,6 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
 
 def _alltoall_entry(tensor, splits, name, process_set):
     _check_device(tensor, "alltoall")
-    splits = _split_list(splits, "alltoall")
     entry = core.alltoall_entry(tensor, splits, _set_size(process_set),
                                 _name(name, "alltoall", process_set))
     if splits is None:

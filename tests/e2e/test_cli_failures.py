@@ -6,6 +6,7 @@ import textwrap
 import time
 
 import psutil
+import pytest
 
 from .conftest import TRAINING, finish, kill_session, run, start, wait_until_gone
 
@@ -59,31 +60,20 @@ def test_rank_killed_by_sigkill_ends_the_job(marker):
     assert "rank 1 on host localhost was killed by signal 9 (SIGKILL)" in err
 
 
-def test_ctrl_c_stops_every_rank(marker):
+# Ctrl-C, and SIGHUP when the launcher's terminal closes: the same orderly stop.
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGHUP, 129)],
+                         ids=["ctrl_c", "sighup"])
+def test_an_interrupt_stops_every_rank(marker, sig, code):
     (marker / "job.py").write_text(textwrap.dedent(SLEEPER))
     proc = start(["-np", "2", "python", str(marker / "job.py")])
     try:
         pids = _wait_ready(marker, 2)
-        proc.send_signal(signal.SIGINT)
-        code, out, err = finish(proc, timeout=30)
+        proc.send_signal(sig)
+        code_seen, out, err = finish(proc, timeout=30)
     finally:
         kill_session(proc.pid)
-    assert code == 130, err
-    assert "received SIGINT; stopping 2 other rank(s)" in err
-    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
-
-
-def test_a_closed_terminal_sighup_stops_every_rank_like_ctrl_c(marker):
-    (marker / "job.py").write_text(textwrap.dedent(SLEEPER))
-    proc = start(["-np", "2", "python", str(marker / "job.py")])
-    try:
-        pids = _wait_ready(marker, 2)
-        proc.send_signal(signal.SIGHUP)
-        code, out, err = finish(proc, timeout=30)
-    finally:
-        kill_session(proc.pid)
-    assert code == 128 + signal.SIGHUP, err
-    assert "received SIGHUP; stopping 2 other rank(s)" in err
+    assert code_seen == code, err
+    assert f"received {sig.name}; stopping 2 other rank(s)" in err
     assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
 
 
