@@ -13,7 +13,7 @@ from typing import Optional, Sequence, Union
 
 from . import current as _current
 from . import process_sets as ps
-from .errors import HvdlikeError
+from . import world as _world
 from .runtime import Runtime
 
 _SLOT = _current.SLOT
@@ -35,8 +35,12 @@ def init(comm=None, process_sets: Optional[Union[Sequence[ps.ProcessSet], str]] 
     starts a fresh runtime.
 
     Args:
-        comm: accepted for Horovod compatibility; a list of ranks is not
-            supported (use process sets), anything else is ignored.
+        comm: run on part of the launched job, as Horovod's ``comm``: a
+            list of launched ranks (``COMM_WORLD`` numbering under mpirun) or,
+            under mpirun, an mpi4py communicator. Its members call ``init``
+            with the same list and become ranks ``0..len-1`` in its order
+            (with their own local and cross ranks); disjoint lists give
+            independent runtimes. None or ``[]``: every launched rank.
         process_sets: extra :class:`ProcessSet` objects to register, the same
             list in the same order on every rank (checked: a difference raises
             on every rank); or ``"dynamic"`` to allow ``add_process_set`` and
@@ -46,6 +50,7 @@ def init(comm=None, process_sets: Optional[Union[Sequence[ps.ProcessSet], str]] 
 
     Raises:
         ConfigError: a knob has a bad value.
+        TypeError, ValueError: a bad ``comm`` (or members passed different lists).
         HvdlikeInternalError: the other ranks could not be reached.
 
     Example:
@@ -54,8 +59,7 @@ def init(comm=None, process_sets: Optional[Union[Sequence[ps.ProcessSet], str]] 
         >>> hvdlike.rank(), hvdlike.size()
         (0, 1)
     """
-    if isinstance(comm, (list, tuple)):
-        raise HvdlikeError("init(comm=[ranks]) is not supported; use process sets instead")
+    world = _world.parse(comm)
     if isinstance(process_sets, str):
         if process_sets != "dynamic":
             raise ValueError(f"init: process_sets must be a list of ProcessSet or "
@@ -65,10 +69,13 @@ def init(comm=None, process_sets: Optional[Union[Sequence[ps.ProcessSet], str]] 
     elif process_sets is not None and not isinstance(process_sets, (list, tuple)):
         raise TypeError(f"init: process_sets must be a list of ProcessSet or 'dynamic', "
                         f"got {type(process_sets).__name__}")
-    start(process_sets or (), settings)
+    start(process_sets or (), settings, world=world)
+    # Horovod's global set names the communicator init() was given.
+    ps.global_process_set.mpi_comm = world.comm if world is not None else None
 
 
-def start(process_sets: Sequence[ps.ProcessSet], settings: dict, carried=None) -> None:
+def start(process_sets: Sequence[ps.ProcessSet], settings: dict, carried=None,
+          world=None) -> None:
     """Build and start a runtime unless one is live (``init`` after its checks).
 
     ``carried``: what an elastic re-form takes from the previous runtime
@@ -81,7 +88,7 @@ def start(process_sets: Sequence[ps.ProcessSet], settings: dict, carried=None) -
             _SLOT.runtime.shutdown()
             _SLOT.runtime = None
         built = Runtime.build(process_sets=process_sets, generation=_SLOT.next_generation(),
-                              carried=carried, **settings)
+                              carried=carried, world=world, **settings)
         try:
             _SLOT.runtime = built.start()
         except BaseException:

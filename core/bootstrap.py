@@ -118,8 +118,8 @@ def single_process(environ: Mapping[str, str], start_timeout: float = 60.0):
     return Topology(hostname=socket.gethostname()), Rendezvous(launcher="none")
 
 
-def _mpi_or_slurm(environ: Mapping[str, str], start_timeout: float = 60.0):
-    found = mpi_bootstrap.detect(environ)  # imports mpi4py only for an MPI job
+def _mpi_or_slurm(environ: Mapping[str, str], start_timeout: float = 60.0, world=None):
+    found = mpi_bootstrap.detect(environ, world)  # imports mpi4py only for an MPI job
     if found is None:
         return None
     topo, rdzv = found
@@ -166,16 +166,24 @@ DETECTORS: List[Callable[[Mapping[str, str]], Optional[tuple]]] = [
 ]
 
 
-def detect(environ: Optional[Mapping[str, str]] = None, start_timeout: float = 60.0):
+def detect(environ: Optional[Mapping[str, str]] = None, start_timeout: float = 60.0,
+           world=None):
     """Return ``(Topology, Rendezvous)`` for this process.
 
     Args:
         environ: the process environment (default ``os.environ``).
         start_timeout: how long a rank may wait for rank 0 to share the secret.
+        world: ``init(comm=...)``'s :class:`~.world.World`, or None. Under
+            mpirun the bootstrap runs over its members (the result describes
+            them); elsewhere the launched job's place is returned and the
+            runtime narrows it (:func:`.world.narrow`).
     """
     environ = os.environ if environ is None else environ
     for detector in DETECTORS:
-        found = detector(environ, start_timeout)
+        if world is not None and detector is _mpi_or_slurm:
+            found = detector(environ, start_timeout, world)
+        else:
+            found = detector(environ, start_timeout)
         if found is not None:
             return found
     raise AssertionError("single_process always detects")  # pragma: no cover

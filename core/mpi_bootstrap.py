@@ -149,8 +149,11 @@ def _select_libmpi(environ: Mapping[str, str]) -> None:
         os.environ["MPI4PY_LIBMPI"] = path
 
 
-def _from_mpi(environ: Mapping[str, str], name: str, rank_var: str, size_var: str):
+def _from_mpi(environ: Mapping[str, str], name: str, rank_var: str, size_var: str,
+              world=None):
     rank, size = _int(environ, rank_var), _int(environ, size_var)
+    if world is not None:
+        return _from_mpi_world(environ, name, rank, size, world)
     gloo_iface = environ.get(ENV_GLOO_IFACE, "")
     if size == 1:
         return Topology(hostname=socket.gethostname()), Rendezvous(
@@ -169,6 +172,50 @@ def _from_mpi(environ: Mapping[str, str], name: str, rank_var: str, size_var: st
             f"{size_var}={size} but MPI.COMM_WORLD has {comm.Get_size()} ranks; "
             "mpi4py is linked against a different MPI than the one that started this job"
         )
+    return _over(comm, name, gloo_iface)
+
+
+def _from_mpi_world(environ: Mapping[str, str], name: str, rank: int, size: int, world):
+    """``init(comm=...)`` under mpirun: bootstrap over the members' communicator.
+
+    A list of ranks becomes a communicator of those ``COMM_WORLD`` ranks in
+    the list's order (collective over the members only, as in MPI); a given
+    communicator is duplicated. The runtime's MPI planes are built from it too
+    (``Rendezvous.mpi_comm``).
+    """
+    from . import world as world_mod
+
+    _select_libmpi(environ)
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        raise ConfigError(f"init(comm=...) in a job started by {name} needs mpi4py: "
+                          "pip install 'hvdlike[mpi]'") from None
+    launched = Topology(rank=rank, size=size)
+    if world.comm is not None:
+        if world.comm == MPI.COMM_NULL:
+            raise ValueError("init: comm is MPI.COMM_NULL: this process is not in the "
+                             "communicator it was given")
+        base = world.comm.Dup()
+    else:
+        world_mod.check_member(world, launched)
+        group = MPI.COMM_WORLD.Get_group().Incl(list(world.ranks))
+        try:
+            base = MPI.COMM_WORLD.Create_group(group, tag=_WORLD_TAG)
+        finally:
+            group.Free()
+    return _over(base, name, environ.get(ENV_GLOO_IFACE, ""), keep=True)
+
+
+_WORLD_TAG = 7129  # the tag of init(comm=[ranks])'s communicator creation
+
+
+def _over(comm, name: str, gloo_iface: str, keep: bool = False):
+    """Topology and rendezvous of this process within ``comm`` (collective over it)."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if size == 1:
+        return Topology(hostname=socket.gethostname()), Rendezvous(
+            launcher=name, gloo_iface=gloo_iface, mpi_comm=comm if keep else None)
     me = socket.gethostname()
     peers = comm.allgather((me, _my_addresses()))
     topo = dataclasses.replace(topologies([host_key(*peer) for peer in peers])[rank], hostname=me)
@@ -178,7 +225,8 @@ def _from_mpi(environ: Mapping[str, str], name: str, rank_var: str, size_var: st
         offer = (addr, _free_port(addr), new_secret())
     addr, port, secret = comm.bcast(offer, root=0)
     return topo, Rendezvous(launcher=name, addr=addr, port=port, secret=secret,
-                            host_store=rank == 0, gloo_iface=gloo_iface)
+                            host_store=rank == 0, gloo_iface=gloo_iface,
+                            mpi_comm=comm if keep else None)
 
 
 def _split_top_level(text: str) -> List[str]:
@@ -276,8 +324,11 @@ def expand_tasks_per_node(text: str, name: str = "SLURM_TASKS_PER_NODE") -> List
     return counts
 
 
-def detect(environ: Mapping[str, str]) -> Optional[tuple]:
+def detect(environ: Mapping[str, str], world=None) -> Optional[tuple]:
     """Return ``(Topology, Rendezvous)`` for a rank of mpirun or srun, else None.
+
+    ``world``: ``init(comm=...)``'s :class:`~.world.World` (None: every rank);
+    under mpirun the bootstrap then runs over the members only.
 
     Raises:
         ConfigError: the job needs mpi4py and it is missing, or a variable is malformed.
@@ -287,7 +338,7 @@ def detect(environ: Mapping[str, str]) -> Optional[tuple]:
         if rank_var in environ and size_var in environ:
             if in_srun and importlib.util.find_spec("mpi4py") is None:
                 break  # srun's PMI variables without MPI: bootstrap from Slurm's own
-            return _from_mpi(environ, name, rank_var, size_var)
+            return _from_mpi(environ, name, rank_var, size_var, world)
     if in_srun:
         return _from_slurm(environ)
     return None

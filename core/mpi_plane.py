@@ -68,12 +68,13 @@ _MPI_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK")
 
 
 def choose(controller: str, cpu_operations: str, launcher: str, rank: int, size: int,
-           environ: Mapping[str, str]) -> tuple:
+           environ: Mapping[str, str], base=None) -> tuple:
     """``(controller, cpu_operations)`` engines for this job, each 'gloo' or 'mpi'.
 
     A job counts as started by mpirun when the bootstrap found mpirun or when
     mpirun's variables are set (a script that also exports torchrun's
-    ``RANK``/``MASTER_ADDR`` under mpirun is still an MPI job).
+    ``RANK``/``MASTER_ADDR`` under mpirun is still an MPI job). ``base``: the
+    communicator of ``init(comm=...)``'s members, else ``COMM_WORLD`` is the job.
 
     Raises:
         ConfigError: MPI was asked for explicitly but this job cannot use it.
@@ -87,7 +88,7 @@ def choose(controller: str, cpu_operations: str, launcher: str, rank: int, size:
         if not why:
             why = mpi_state()
         if not why:
-            comm = _mpi().COMM_WORLD
+            comm = _mpi().COMM_WORLD if base is None else base
             if (comm.Get_size(), comm.Get_rank()) != (size, rank):
                 why = (f"MPI.COMM_WORLD has rank {comm.Get_rank()} of {comm.Get_size()} "
                        f"where the job has rank {rank} of {size}")
@@ -101,9 +102,15 @@ def choose(controller: str, cpu_operations: str, launcher: str, rank: int, size:
     return "gloo", "gloo"
 
 
-def duplicate_world():
-    """A runtime's private duplicate of COMM_WORLD (collective; free it with :func:`free`)."""
-    return _mpi().COMM_WORLD.Dup()
+def world_comm():
+    """mpi4py's ``COMM_WORLD`` (the job's communicator under a plain mpirun)."""
+    return _mpi().COMM_WORLD
+
+
+def duplicate_world(base=None):
+    """A runtime's private duplicate of COMM_WORLD, or of ``base`` (``init(comm=...)``'s
+    communicator); collective; free it with :func:`free`."""
+    return (_mpi().COMM_WORLD if base is None else base).Dup()
 
 
 def set_comm(base, ranks: Sequence[int], set_id: int):

@@ -18,19 +18,22 @@ from typing import List, Optional, Sequence
 
 from . import current
 from .errors import NotInitializedError
+from .world import is_mpi_comm
 
 
 class ProcessSet:
     """A subset of the job's ranks; collectives take it as ``process_set=``.
 
     Args:
-        ranks_or_comm: the global ranks in the set (any order; kept sorted).
-            An mpi4py communicator is not accepted: pass its ranks.
+        ranks_or_comm: the global ranks in the set (any order; kept sorted),
+            or an mpi4py communicator (a job started by mpirun, passed to
+            ``init(process_sets=...)``): each rank passes its own, and the
+            sets of every rank's communicators are registered.
 
     Attributes:
         process_set_id: the id once registered, else None.
-        ranks: sorted global ranks.
-        mpi_comm: always None (kept for Horovod's ``repr``).
+        ranks: sorted global ranks (for a communicator: None until ``init()``).
+        mpi_comm: the communicator it was made from, else None.
 
     Example:
         >>> even = hvd.ProcessSet([0, 2])
@@ -40,10 +43,12 @@ class ProcessSet:
     """
 
     def __init__(self, ranks_or_comm: Sequence[int]):
-        if hasattr(ranks_or_comm, "Get_group"):
-            raise NotImplementedError(
-                "ProcessSet from an MPI communicator is not supported; pass the list of "
-                "global ranks in it instead")
+        self.process_set_id: Optional[int] = None
+        if is_mpi_comm(ranks_or_comm):
+            # Its ranks are known once init() registers it (see world.resolve_comm_sets).
+            self.ranks: Optional[List[int]] = None
+            self.mpi_comm = ranks_or_comm
+            return
         if isinstance(ranks_or_comm, (str, bytes)) or not hasattr(ranks_or_comm, "__iter__"):
             raise TypeError("ProcessSet expects a list of global ranks, got "
                             f"{type(ranks_or_comm).__name__}")
@@ -60,8 +65,7 @@ class ProcessSet:
             ranks.append(index)
         if len(set(ranks)) != len(ranks):
             raise ValueError(f"ProcessSet ranks must be unique, got {ranks}")
-        self.ranks: List[int] = sorted(ranks)
-        self.process_set_id: Optional[int] = None
+        self.ranks = sorted(ranks)
         self.mpi_comm = None
 
     def __repr__(self) -> str:
@@ -95,7 +99,10 @@ class ProcessSet:
         return ranks.index(me)
 
     def included(self) -> Optional[bool]:
-        """Whether this process belongs to the set (None before ``init()`` for the global set)."""
+        """Whether this process belongs to the set (None before ``init()`` for the global
+        set, and for a communicator's set until it is registered)."""
+        if self.ranks is None:
+            return None
         runtime = current.get()
         if runtime is None or runtime.alive_error() is not None:
             if self.process_set_id == 0:
@@ -155,6 +162,10 @@ def add_process_set(process_set) -> ProcessSet:
     """
     sets = current.require().sets
     pset = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
+    if pset.ranks is None:
+        raise NotImplementedError(
+            "add_process_set: a process set made from an MPI communicator can only be "
+            "registered by init(process_sets=[...]); pass its list of ranks here")
     return sets.add(pset)
 
 

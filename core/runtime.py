@@ -27,14 +27,16 @@ import time
 from typing import Dict, List, Mapping, Optional, Sequence
 
 from . import autotune, bootstrap, config as config_mod, generation_keys, store_wait
+from . import world as world_mod
 from .deadlock import Waits
-from .errors import HvdlikeInternalError
+from .errors import HvdlikeError, HvdlikeInternalError
 from .executor import CompletionHooks
 from .handles import Handle, finish_many
 from .health import Health, words_probe
 from .job_store import JobStore
 from .log import configure as configure_logging, logger
 from .messages import OpType
+from .process_sets import ProcessSet
 from .registry import ProcessSetRegistry
 from .set_state import ProcessSetState, SetParts
 from .tensor_queue import Entry
@@ -91,6 +93,7 @@ class Runtime:
         self.mpi_world = None
         self.shm = None  # shm_plane.Settings when ranks of this host may share memory
         self.job_store: Optional[JobStore] = None
+        self.world_tag = ""  # init(comm=[ranks]) outside mpirun: that list's key namespace
         self.store_prefix = f"gen{generation}/"
         self.store = None  # the generation's keys, written through a KeyLog
         self._key_logs: List[generation_keys.KeyLog] = []
@@ -109,7 +112,7 @@ class Runtime:
 
     @classmethod
     def build(cls, environ: Optional[Mapping[str, str]] = None, process_sets=(),
-              generation: int = 1, carried=None, **overrides) -> "Runtime":
+              generation: int = 1, carried=None, world=None, **overrides) -> "Runtime":
         """Bootstrap from ``environ`` and wire every part; no thread runs yet.
 
         Collective: every rank builds its runtime at the same point (the global
@@ -124,21 +127,46 @@ class Runtime:
                 live apart under ``gen<N>/``).
             carried: what an elastic re-form carries over from the previous
                 runtime (:class:`~.elastic.carry.Carry`): timeline, tuning.
+            world: ``init(comm=...)``'s :class:`~.world.World`: run on those
+                launched ranks only, renumbered (None: every launched rank).
             **overrides: knob values by config field name.
 
         Raises:
             ConfigError: a bad knob value.
+            ValueError: ``world`` does not fit the launched job, or its members
+                passed different lists.
             HvdlikeInternalError: the other ranks could not be reached.
         """
         environ = os.environ if environ is None else environ
+        from .elastic.protocol import ENV_WORKER
         from .elastic.worker import enter_generation
 
+        if world is not None and environ.get(ENV_WORKER):
+            raise HvdlikeError("init(comm=...) cannot be used in an elastic job: its ranks "
+                               "come and go; use process sets")
         enter_generation(environ)  # elastic jobs: all members present (may move it on)
         cfg = config_mod.load(environ, **overrides)
-        topology, rendezvous = bootstrap.detect(environ, cfg.start_timeout)
+        topology, rendezvous = bootstrap.detect(environ, cfg.start_timeout, world)
+        job_store, world_tag = None, ""
+        if world is not None and rendezvous.mpi_comm is None:
+            # Not narrowed by an MPI bootstrap: renumber through the job's store.
+            if world.comm is not None:
+                raise ValueError("init: comm is an MPI communicator, but this process was not "
+                                 f"started by mpirun ({rendezvous.launcher}); pass a list "
+                                 "of ranks instead")
+            if world.ranks != list(range(topology.size)):
+                job_store = JobStore(topology, rendezvous, cfg.start_timeout)
+                try:
+                    topology = world_mod.narrow(job_store.connect(), world, topology,
+                                                generation, cfg.start_timeout)
+                except BaseException:
+                    job_store.close()
+                    raise
+                world_tag = world.tag()
         configure_logging(cfg.log_level_number, topology.rank)
         runtime = cls(cfg, topology, rendezvous, generation)
         runtime.overrides = dict(overrides)
+        runtime.job_store, runtime.world_tag = job_store, world_tag
         try:
             runtime._wire(environ, list(process_sets or ()), carried)
         except BaseException:
@@ -156,8 +184,10 @@ class Runtime:
 
         cfg, topology, rendezvous = self.config, self.topology, self.rendezvous
         # elastic: the launcher's generation names the keys, else this runtime's.
-        self.store_prefix = store_prefix(environ, self.generation)
-        self.job_store = JobStore(topology, rendezvous, cfg.start_timeout)
+        self.store_prefix = self.world_tag + store_prefix(environ, self.generation)
+        narrowed = self.job_store is not None  # init(comm=[ranks]): made by build()
+        if not narrowed:
+            self.job_store = JobStore(topology, rendezvous, cfg.start_timeout)
         from .elastic.worker import generation_key
 
         self.job_store.generation_key = generation_key(environ)  # elastic: this generation's
@@ -169,9 +199,9 @@ class Runtime:
         self.local_addr = local_addr
         self.engines = mpi_plane.choose(cfg.controller, cfg.cpu_operations,
                                         rendezvous.launcher, topology.rank, topology.size,
-                                        environ)
+                                        environ, rendezvous.mpi_comm)
         if "mpi" in self.engines:
-            self.mpi_world = mpi_plane.duplicate_world()
+            self.mpi_world = mpi_plane.duplicate_world(rendezvous.mpi_comm)
         self.shm = shm_plane.settings(cfg, topology, rendezvous)
         parts = SetParts(topology.rank, self.store, cfg, local_addr, self.engines,
                          self.mpi_world, self.shm, self.hooks, self.settings, self.recording,
@@ -180,14 +210,18 @@ class Runtime:
                                        self.alive_error)
         try:
             self.sets.register_global()
-            self.job_store.joined()
+            if not narrowed:  # other lists' ranks may not have read a shared secret yet
+                self.job_store.joined()
         except Exception as exc:
             raise HvdlikeInternalError(
                 f"rank {topology.rank} could not connect to the other {topology.size - 1} "
                 f"rank(s) (Gloo on {local_addr or 'default interface'}): {exc}") from None
         # Static sets are live from the first cycle on every rank: registered
         # before the background thread starts cycling.
-        self.sets.register_static(process_sets)
+        if any(getattr(p, "ranks", ()) is None for p in process_sets):
+            self._register_comm_sets(process_sets)
+        else:
+            self.sets.register_static(process_sets)
         if cfg.autotune:
             broadcast = self.sets.states[0].controller.control.broadcast
             self.autotuner = autotune.build(cfg, topology.rank, broadcast, self.settings)
@@ -198,6 +232,24 @@ class Runtime:
                                   int(environ.get(ENV_GENERATION, "0") or 0))
         elif cfg.timeline:
             self.recording.open(cfg.timeline, cfg.timeline_mark_cycles)
+
+    def _register_comm_sets(self, process_sets: list) -> None:
+        """``init(process_sets=...)`` with sets made from MPI communicators."""
+        base, launcher = self.rendezvous.mpi_comm, self.rendezvous.launcher
+        if base is None and launcher.startswith("mpirun"):
+            from . import mpi_plane
+
+            base = mpi_plane.world_comm()
+        control = self.sets.states[0].controller.control
+        from_comms = world_mod.resolve_comm_sets(
+            process_sets, base, f"this job was started by {launcher}, not mpirun", control)
+        self.sets.register_static([ProcessSet(ranks) for ranks in from_comms]
+                                  + [p for p in process_sets
+                                     if getattr(p, "mpi_comm", None) is None])
+        by_ranks = {tuple(ranks): set_id for set_id, ranks in self.sets.ranks.items()}
+        for pset in process_sets:
+            if pset.mpi_comm is not None and pset.ranks is not None:
+                pset.process_set_id = by_ranks[tuple(pset.ranks)]
 
     def _agree_tuning(self, broadcast, carried) -> None:
         """Elastic jobs: every rank takes rank 0's tuning from the previous generation.

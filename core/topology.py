@@ -88,6 +88,9 @@ class Rendezvous:
     gloo_iface: str = ""
     authenticated: bool = True
     secret_file_tag: str = ""  # rank 0 of a torchrun/srun job shared the secret in a file
+    # init(comm=...) under mpirun: the members' communicator, which the
+    # runtime's MPI planes are built from instead of COMM_WORLD.
+    mpi_comm: object = dataclasses.field(default=None, compare=False)
 
     def __repr__(self) -> str:  # never print the secret
         return (f"Rendezvous(launcher={self.launcher!r}, addr={self.addr!r}, port={self.port}, "

@@ -625,7 +625,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         backward_passes_per_step: backward passes accumulated locally before
             communicating once (gradients are summed; scale the loss by
             ``1/k`` for the mean over all passes).
-        op: ``Average`` (default), ``Sum`` or ``Adasum``.
+        op: ``Average`` (default), ``Sum`` or ``Adasum``. With ``Adasum`` the
+            ranks combine the parameter changes of local steps, not gradients
+            (Horovod's Adasum optimizer, see adasum_optimizer.py).
         gradient_predivide_factor: with Average, divide by this before the sum
             and by ``size/factor`` after it.
         num_groups: split trainable parameters into this many groups, each
@@ -675,7 +677,14 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     if not (hasattr(compression, "compress") and hasattr(compression, "decompress")):
         raise TypeError("DistributedOptimizer: compression needs compress() and decompress() "
                         "(use Compression.none/.fp16/.bf16 or a Compressor subclass)")
-    cls = _distributed_class(type(optimizer))
+    cls = None
+    if op == ops.Adasum:
+        # Horovod's Adasum optimizer: Adasum of each rank's local step (adasum_optimizer.py);
+        # None with one rank, where the gradient optimizer below does the same.
+        from .adasum_optimizer import distributed_adasum_class
+        cls = distributed_adasum_class(type(optimizer))
+    if cls is None:
+        cls = _distributed_class(type(optimizer))
     wrapped = cls.__new__(cls)
     # Share the wrapped optimizer's attributes (state, param_groups, defaults,
     # hooks) rather than re-running its __init__, whose arguments we do not know.
