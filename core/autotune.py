@@ -20,6 +20,9 @@ grid and are tried first. Each setting gets :data:`SAMPLES_PER_CANDIDATE`
 samples; the median is its score and the highest median wins (ties: the one
 tried first). The search is deterministic; the number of samples it takes
 is known beforehand (:meth:`CoordinateSearch.total_samples`).
+``HVDLIKE_AUTOTUNE_BAYES_OPT_MAX_SAMPLES`` (Horovod's budget for its Bayesian
+search) caps it: after that many scored samples the best setting so far wins.
+Horovod's ``HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE`` has nothing to act on here.
 
 *Agreement.* The fusion plan must be the same on every rank, so only rank 0
 decides. Step boundaries come from the cycle's responses, which are identical
@@ -107,10 +110,14 @@ class CoordinateSearch:
 
     def __init__(self, start: Candidate, thresholds: Sequence[int] = FUSION_GRID,
                  cycle_times: Sequence[float] = CYCLE_GRID_MS,
-                 samples_per_candidate: int = SAMPLES_PER_CANDIDATE):
+                 samples_per_candidate: int = SAMPLES_PER_CANDIDATE,
+                 max_samples: Optional[int] = None):
         if samples_per_candidate < 1:
             raise ValueError("samples_per_candidate must be >= 1")
         self.samples_per_candidate = samples_per_candidate
+        # HVDLIKE_AUTOTUNE_BAYES_OPT_MAX_SAMPLES: settle after this many samples.
+        self.max_samples = max_samples
+        self.recorded = 0
         self._thresholds = _start_first(start.fusion_threshold, thresholds)
         self._cycle_times = _start_first(start.cycle_time_ms, cycle_times)
         self._queue = [Candidate(t, start.cycle_time_ms) for t in self._thresholds]
@@ -127,7 +134,8 @@ class CoordinateSearch:
     def total_samples(self) -> int:
         """Samples the whole search takes (warm-up not included)."""
         distinct = len(self._thresholds) + len(self._cycle_times) - 1
-        return distinct * self.samples_per_candidate
+        whole = distinct * self.samples_per_candidate
+        return whole if self.max_samples is None else min(whole, self.max_samples)
 
     def add(self, score: float) -> Candidate:
         """Record a sample of :attr:`current`; return the setting to use next."""
@@ -138,6 +146,10 @@ class CoordinateSearch:
             self.scores[candidate] = []
             self.order.append(candidate)
         self.scores[candidate].append(score)
+        self.recorded += 1
+        if self.max_samples is not None and self.recorded >= self.max_samples:
+            self.done = True  # the budget is spent: the best so far wins
+            return self.current
         if len(self.scores[candidate]) >= self.samples_per_candidate:
             self._queue.pop(0)
             if not self._queue and self._phase == 1:
@@ -321,7 +333,9 @@ class LiveSettings:
 def build(cfg, rank: int, broadcast: Callable[[bytes], bytes],
           settings: LiveSettings) -> Autotuner:
     """The autotuner ``cfg`` asks for, deciding through ``broadcast`` (the global set's)."""
-    return Autotuner(rank, broadcast, settings.apply,
-                     Candidate(cfg.fusion_threshold, cfg.cycle_time),
+    start = Candidate(cfg.fusion_threshold, cfg.cycle_time)
+    search = (CoordinateSearch(start, max_samples=cfg.autotune_bayes_opt_max_samples)
+              if rank == 0 else None)
+    return Autotuner(rank, broadcast, settings.apply, start,
                      cfg.autotune_warmup_samples, cfg.autotune_steps_per_sample,
-                     cfg.autotune_log)
+                     cfg.autotune_log, search=search)

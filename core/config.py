@@ -128,6 +128,20 @@ def _string(text: str) -> str:
     return text
 
 
+def _affinity(text: str) -> str:
+    """Comma-separated core ids (empty: no pinning); kept as written, checked here."""
+    if not text.strip():
+        return ""
+    for item in text.split(","):
+        try:
+            core = int(item.strip())
+        except ValueError:
+            core = -1
+        if core < 0:
+            raise ValueError("comma-separated core ids >= 0, one per local rank")
+    return ",".join(item.strip() for item in text.split(","))
+
+
 def _timeline_path(text: str) -> str:
     from .timeline import configured_path
 
@@ -182,6 +196,9 @@ KNOBS = (
     Knob("log_level", "warning", _log_level,
          "runtime log level: trace, debug, info, warning, error, fatal",
          flag="--log-level"),
+    Knob("log_hide_time", False, _parse_bool,
+         "leave the time out of hvdlike's log lines",
+         flag="--log-hide-timestamp"),
     Knob("timeline", "", _timeline_path,
          "write a Chrome-trace timeline of every collective to this file (DYNAMIC: none "
          "until start_timeline())",
@@ -204,6 +221,15 @@ KNOBS = (
     Knob("autotune_steps_per_sample", 10, _positive(int, "an integer > 0"),
          "training steps per autotune sample",
          flag="--autotune-steps-per-sample"),
+    Knob("autotune_bayes_opt_max_samples", None, _positive(int, "an integer > 0"),
+         "autotune settles on the best setting so far after this many scored samples "
+         "(default: the whole grid search)",
+         flag="--autotune-bayes-opt-max-samples"),
+    Knob("autotune_gaussian_process_noise", 0.8,
+         _non_negative(float, "a number >= 0"),
+         "accepted for Horovod compatibility; hvdlike's grid search has no Gaussian "
+         "process, so it changes nothing",
+         flag="--autotune-gaussian-process-noise"),
     Knob("stall_check_disable", False, _parse_bool,
          "disable the stall inspector",
          flag="--no-stall-check"),
@@ -246,6 +272,23 @@ KNOBS = (
     Knob("disable_group_fusion", False, _parse_bool,
          "do not fuse the members of grouped collectives with other tensors",
          flag="--disable-group-fusion"),
+    Knob("torus_allreduce", False, _parse_bool,
+         "Horovod's two-level GPU allreduce; here it selects the hierarchical allreduce "
+         "(inside each host, then across hosts) unless HVDLIKE_HIERARCHICAL_ALLREDUCE says "
+         "otherwise",
+         flag="--torus-allreduce"),
+    Knob("mpi_threads_disable", False, _parse_bool,
+         "initialize MPI without thread support (MPI_THREAD_SINGLE); negotiation and CPU "
+         "tensors then stay on Gloo",
+         flag="--mpi-threads-disable"),
+    Knob("thread_affinity", "", _affinity,
+         "pin each rank's background thread to a core: comma-separated core ids, one per "
+         "local rank",
+         flag="--thread-affinity"),
+    Knob("num_nccl_streams", 1, _positive(int, "an integer > 0"),
+         "accepted for Horovod compatibility; CUDA collectives of a process set run in order "
+         "on one NCCL communicator (torch's process group), so it changes nothing",
+         flag="--num-nccl-streams"),
     Knob("cpu_overlap", None, auto_bool,
          "DistributedOptimizer starts reducing each CPU gradient during backward (1) or all "
          "of them at step() (0); auto: during backward while this rank's compute threads "
@@ -285,6 +328,13 @@ class Config:
     hierarchical_allreduce: Optional[bool] = None  # None: auto
     hierarchical_allgather: Optional[bool] = None
     cpu_overlap: Optional[bool] = None  # None: auto
+    autotune_bayes_opt_max_samples: Optional[int] = None  # None: the whole search
+    autotune_gaussian_process_noise: float = 0.8
+    log_hide_time: bool = False
+    torus_allreduce: bool = False
+    mpi_threads_disable: bool = False
+    thread_affinity: str = ""
+    num_nccl_streams: int = 1
 
     @property
     def log_level_number(self) -> int:

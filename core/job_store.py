@@ -61,6 +61,12 @@ def serve(addr: str, port: int, world_size: int, timeout: datetime.timedelta):
     return store, port
 
 
+# Servers a runtime on part of the job hosted (init(comm=[ranks]) under srun):
+# the ranks of other lists still use them, so they outlive that runtime and are
+# reused by this process's next runtime. (addr, port) -> server.
+_KEPT_SERVERS: dict = {}
+
+
 class JobStore:
     """Connections of one runtime to the job's store (hosting it when asked)."""
 
@@ -69,6 +75,9 @@ class JobStore:
         self.rendezvous = rendezvous
         self.timeout_seconds = timeout_seconds
         self._server = None  # the TCPStore server this rank hosts, if any
+        # init(comm=[ranks]): other lists' runtimes use this job's store too, so a
+        # hosted server stays up after close() (see _KEPT_SERVERS).
+        self.keep_server = False
         self._local = None   # the in-process store of a single-process job
         # Every view handed out, held strongly: a PrefixStore or process group
         # keeps only the C++ half of a Python store alive, and the Python half
@@ -96,7 +105,8 @@ class JobStore:
                                                  generation_key=self.generation_key))
         try:
             if rdzv.host_store and topo.rank == 0 and self._server is None:
-                self._server, _ = serve(rdzv.addr, rdzv.port, topo.size, timeout)
+                kept = _KEPT_SERVERS.get((rdzv.addr, rdzv.port))
+                self._server = kept or serve(rdzv.addr, rdzv.port, topo.size, timeout)[0]
                 raw = self._server
             else:
                 raw = dist.TCPStore(rdzv.addr, rdzv.port, topo.size, False,
@@ -113,8 +123,12 @@ class JobStore:
         return view
 
     def close(self) -> None:
-        """Drop the hosted server, the in-process store and any shared secret file."""
-        self.joined()
+        """Drop the hosted server, the in-process store and any shared secret file
+        (both kept with ``keep_server``: other lists' ranks may still need them)."""
+        if not self.keep_server:
+            self.joined()
+        if self._server is not None and self.keep_server:
+            _KEPT_SERVERS[(self.rendezvous.addr, self.rendezvous.port)] = self._server
         self._server = None
         self._local = None
         self._views = []

@@ -138,8 +138,29 @@ def libmpi_of_launcher(environ: Mapping[str, str]) -> Optional[str]:
     return None
 
 
+def threads_disabled(environ: Mapping[str, str]) -> bool:
+    """``HVDLIKE_MPI_THREADS_DISABLE`` (or Horovod's variable): MPI without threads."""
+    from . import config
+
+    found = config.lookup(environ, config.KNOBS_BY_FIELD["mpi_threads_disable"])
+    if found is None:
+        return False
+    try:
+        return config.KNOBS_BY_FIELD["mpi_threads_disable"].parse(found[1])
+    except ValueError:
+        raise ConfigError(f"{found[0]}={found[1]!r} is not valid: expected a boolean") from None
+
+
 def _select_libmpi(environ: Mapping[str, str]) -> None:
-    """Point mpi4py at the launching MPI's library unless the user chose one."""
+    """Point mpi4py at the launching MPI's library unless the user chose one; with
+    ``HVDLIKE_MPI_THREADS_DISABLE=1`` ask for MPI_THREAD_SINGLE (before MPI starts)."""
+    if threads_disabled(environ) and "mpi4py.MPI" not in sys.modules:
+        try:
+            import mpi4py
+
+            mpi4py.rc.thread_level = "single"
+        except ImportError:
+            pass
     if "MPI4PY_LIBMPI" in os.environ or "MPI4PY_MPIABI" in os.environ:
         return
     if "mpi4py.MPI" in sys.modules:

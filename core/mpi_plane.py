@@ -68,7 +68,7 @@ _MPI_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK")
 
 
 def choose(controller: str, cpu_operations: str, launcher: str, rank: int, size: int,
-           environ: Mapping[str, str], base=None) -> tuple:
+           environ: Mapping[str, str], base=None, threads_disabled: bool = False) -> tuple:
     """``(controller, cpu_operations)`` engines for this job, each 'gloo' or 'mpi'.
 
     A job counts as started by mpirun when the bootstrap found mpirun or when
@@ -85,6 +85,9 @@ def choose(controller: str, cpu_operations: str, launcher: str, rank: int, size:
         why = "" if started_by_mpi else (
             f"the ranks were started by {launcher}, not mpirun (use hvdlike-run --mpi or "
             "mpirun)")
+        if not why and threads_disabled:
+            why = ("HVDLIKE_MPI_THREADS_DISABLE=1 asks for MPI without threads, and hvdlike's "
+                   "background thread calls MPI")
         if not why:
             why = mpi_state()
         if not why:

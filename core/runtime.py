@@ -29,7 +29,7 @@ from typing import Dict, List, Mapping, Optional, Sequence
 from . import autotune, bootstrap, config as config_mod, generation_keys, store_wait
 from . import world as world_mod
 from .deadlock import Waits
-from .errors import HvdlikeError, HvdlikeInternalError
+from .errors import ConfigError, HvdlikeError, HvdlikeInternalError
 from .executor import CompletionHooks
 from .handles import Handle, finish_many
 from .health import Health, words_probe
@@ -50,6 +50,28 @@ _IDLE_CYCLES_BEFORE_BACKOFF = 8
 _IDLE_PAUSE_MAX_SECONDS = 0.05
 _SUBSET_POLL_SECONDS = 0.002
 
+
+
+def affinity_core(cores: str, topology) -> Optional[int]:
+    """The core ``HVDLIKE_THREAD_AFFINITY`` gives this rank's background thread, or None.
+
+    Raises:
+        ConfigError: too few cores for the local ranks, or one this process may not use.
+    """
+    if not cores:
+        return None
+    listed = [int(c) for c in cores.split(",")]
+    if topology.local_rank >= len(listed):
+        raise ConfigError(f"HVDLIKE_THREAD_AFFINITY={cores!r} names {len(listed)} core(s), but "
+                          f"this is local rank {topology.local_rank} of {topology.local_size}: "
+                          f"give one core per local rank")
+    core = listed[topology.local_rank]
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if allowed and core not in allowed:
+        raise ConfigError(f"HVDLIKE_THREAD_AFFINITY={cores!r}: core {core} (local rank "
+                          f"{topology.local_rank}) is not available to this process; it may "
+                          f"use cores {allowed}")
+    return core
 
 class Runtime:
     """A live hvdlike job in this process (see the module docstring for its life cycle).
@@ -94,6 +116,7 @@ class Runtime:
         self.shm = None  # shm_plane.Settings when ranks of this host may share memory
         self.job_store: Optional[JobStore] = None
         self.world_tag = ""  # init(comm=[ranks]) outside mpirun: that list's key namespace
+        self.affinity_core: Optional[int] = None  # HVDLIKE_THREAD_AFFINITY's core for this rank
         self.store_prefix = f"gen{generation}/"
         self.store = None  # the generation's keys, written through a KeyLog
         self._key_logs: List[generation_keys.KeyLog] = []
@@ -156,6 +179,7 @@ class Runtime:
                                  "of ranks instead")
             if world.ranks != list(range(topology.size)):
                 job_store = JobStore(topology, rendezvous, cfg.start_timeout)
+                job_store.keep_server = True
                 try:
                     topology = world_mod.narrow(job_store.connect(), world, topology,
                                                 generation, cfg.start_timeout)
@@ -163,8 +187,10 @@ class Runtime:
                     job_store.close()
                     raise
                 world_tag = world.tag()
-        configure_logging(cfg.log_level_number, topology.rank)
+        configure_logging(cfg.log_level_number, topology.rank, cfg.log_hide_time)
+        core = affinity_core(cfg.thread_affinity, topology)
         runtime = cls(cfg, topology, rendezvous, generation)
+        runtime.affinity_core = core
         runtime.overrides = dict(overrides)
         runtime.job_store, runtime.world_tag = job_store, world_tag
         try:
@@ -199,7 +225,8 @@ class Runtime:
         self.local_addr = local_addr
         self.engines = mpi_plane.choose(cfg.controller, cfg.cpu_operations,
                                         rendezvous.launcher, topology.rank, topology.size,
-                                        environ, rendezvous.mpi_comm)
+                                        environ, rendezvous.mpi_comm,
+                                        cfg.mpi_threads_disable)
         if "mpi" in self.engines:
             self.mpi_world = mpi_plane.duplicate_world(rendezvous.mpi_comm)
         self.shm = shm_plane.settings(cfg, topology, rendezvous)
@@ -746,6 +773,12 @@ class Runtime:
         return self.fatal
 
     def _loop(self) -> None:
+        if self.affinity_core is not None:
+            try:
+                os.sched_setaffinity(threading.get_native_id(), {self.affinity_core})
+            except OSError as exc:
+                logger.warning("could not pin the background thread to core %d: %s",
+                               self.affinity_core, exc)
         idle_cycles = 0
         lock = self._cycle_lock
         try:

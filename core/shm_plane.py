@@ -147,7 +147,10 @@ def settings(cfg, topology, rendezvous) -> Optional[Settings]:
     return Settings(tag=job_tag(rendezvous.secret), host=host,
                     timeout_seconds=cfg.gloo_timeout_seconds,
                     start_timeout_seconds=cfg.start_timeout,
-                    hierarchical_allreduce=cfg.hierarchical_allreduce,
+                    # Horovod's torus allreduce has the same two levels.
+                    hierarchical_allreduce=(True if cfg.hierarchical_allreduce is None
+                                            and cfg.torus_allreduce
+                                            else cfg.hierarchical_allreduce),
                     hierarchical_allgather=cfg.hierarchical_allgather)
 
 

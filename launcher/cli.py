@@ -163,9 +163,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="extra ssh -o option (repeatable)")
     add("--network-interface", metavar="IFACE",
         help="interface for the rendezvous store and Gloo (default: the one routing to the hosts)")
+    add("--network-interfaces", metavar="IFACE,...",
+        help="Horovod's spelling: a comma-separated list; the first is used as "
+             "--network-interface")
     add("--remote-python", metavar="PATH", default=sys.executable,
         help="Python on remote hosts (default: this launcher's interpreter path)")
     add("--output-filename", metavar="DIR", help="also write DIR/rank.N/{stdout,stderr}")
+    add("--prefix-output-with-timestamp", action="store_true",
+        help="start every forwarded output line with the time")
     add("--grace-period-seconds", type=_seconds, default=5.0, metavar="S",
         help="time between SIGTERM and SIGKILL when stopping ranks (default 5)")
     add("--skip-preflight", action="store_true", help="do not probe remote hosts first")
@@ -177,11 +182,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="launch with hvdlike's own launcher (the default; accepted as in Horovod)")
     add("--mpi-args", default="", metavar="ARGS",
         help='extra mpirun arguments as one string; write --mpi-args="-x ..." when it starts with -')
+    add("--binding-args", default="", metavar="ARGS",
+        help="process binding arguments for mpirun (--mpi only), e.g. '--bind-to core'")
+    add("--tcp", action="store_true",
+        help="accepted as in Horovod: hvdlike's traffic between hosts is TCP already")
+    add("--jsrun", action="store_true", help=argparse.SUPPRESS)
+    add("--config-file", metavar="FILE",
+        help="Horovod-style YAML file of settings; flags on the command line win")
     add("--version", action="version", version=f"{PROG} {_version()}")
     elastic = parser.add_argument_group("elastic jobs (see docs/elastic.md)")
-    elastic.add_argument("--min-np", type=_rank_count, metavar="N",
+    elastic.add_argument("--min-np", "--min-num-proc", type=_rank_count, metavar="N",
                          help="fewest ranks the job runs with (default: -np)")
-    elastic.add_argument("--max-np", type=_rank_count, metavar="N",
+    elastic.add_argument("--max-np", "--max-num-proc", type=_rank_count, metavar="N",
                          help="most ranks the job grows to (default: every usable slot)")
     elastic.add_argument("--host-discovery-script", metavar="SCRIPT",
                          help="executable printing one host[:slots] per line; re-run every second")
@@ -216,8 +228,29 @@ def build_parser() -> argparse.ArgumentParser:
             target = f"{knob.env} = VALUE x {knob.flag_scale:.12g}" if knob.flag_scale else knob.env
             knobs.add_argument(knob.flag, dest=f"knob_{knob.field}", metavar="VALUE",
                                help=f"{knob.help} ({target})")
+    for flag, field, value, text in _KNOB_ALIASES:
+        knobs.add_argument(flag, dest=f"knob_{field}", action="store_const", const=value,
+                           default=None, help=text)
     add("command", nargs=argparse.REMAINDER, help="the program each rank runs, and its arguments")
     return parser
+
+
+# Horovod's other spellings of knob flags: (flag, knob field, variable value, help).
+_KNOB_ALIASES = (
+    ("--disable-cache", "cache_capacity", "0", "no response cache (HVDLIKE_CACHE_CAPACITY=0)"),
+    ("--no-autotune", "autotune", "0", "do not autotune (HVDLIKE_AUTOTUNE=0)"),
+    ("--no-timeline-mark-cycles", "timeline_mark_cycles", "0",
+     "do not mark cycles in the timeline (HVDLIKE_TIMELINE_MARK_CYCLES=0)"),
+    ("--stall-check", "stall_check_disable", "0",
+     "keep the stall inspector on (HVDLIKE_STALL_CHECK_DISABLE=0)"),
+    ("--log-without-timestamp", "log_hide_time", "1", "same as --log-hide-timestamp"),
+    ("--log-with-timestamp", "log_hide_time", "0",
+     "put the time in hvdlike's log lines (HVDLIKE_LOG_HIDE_TIME=0, the default)"),
+    ("--no-log-hide-timestamp", "log_hide_time", "0", "same as --log-with-timestamp"),
+    ("--no-mpi-threads-disable", "mpi_threads_disable", "0",
+     "MPI with thread support (HVDLIKE_MPI_THREADS_DISABLE=0, the default)"),
+    ("--no-torus-allreduce", "torus_allreduce", "0", "HVDLIKE_TORUS_ALLREDUCE=0"),
+)
 
 
 def to_config(args: argparse.Namespace) -> LaunchConfig:
@@ -230,6 +263,25 @@ def to_config(args: argparse.Namespace) -> LaunchConfig:
 
     if args.mpi and args.gloo:
         raise LaunchError("--mpi and --gloo cannot be used together")
+    if args.jsrun:
+        raise LaunchError("--jsrun (IBM Spectrum LSF) is not supported: inside an LSF "
+                          "allocation start the job with --mpi or with -H and the "
+                          "allocation's hosts")
+    if args.network_interfaces is not None:
+        if args.network_interface is not None:
+            raise LaunchError("--network-interface and --network-interfaces cannot be used "
+                              "together")
+        names = [n.strip() for n in args.network_interfaces.split(",") if n.strip()]
+        if not names:
+            raise LaunchError("--network-interfaces is empty")
+        args.network_interface = names[0]
+    if args.binding_args.strip() and not args.mpi:
+        sys.stderr.write("hvdlike-run: --binding-args applies to --mpi launches only; "
+                         "ignored\n")
+    if args.prefix_output_with_timestamp and args.mpi:
+        sys.stderr.write("hvdlike-run: --prefix-output-with-timestamp applies to hvdlike-run's "
+                         "own launch; under --mpi use mpirun's option (Open MPI: "
+                         "--mpi-args=--timestamp-output)\n")
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
@@ -244,6 +296,10 @@ def to_config(args: argparse.Namespace) -> LaunchConfig:
         mpi_args = shlex.split(args.mpi_args)
     except ValueError as exc:  # e.g. an unbalanced quote
         raise LaunchError(f"--mpi-args {args.mpi_args!r} is not valid: {exc}") from None
+    try:
+        mpi_args += shlex.split(args.binding_args) if args.mpi else []
+    except ValueError as exc:
+        raise LaunchError(f"--binding-args {args.binding_args!r} is not valid: {exc}") from None
     knob_values = {name[len("knob_"):]: value for name, value in vars(args).items()
                    if name.startswith("knob_")}
     import os
@@ -278,6 +334,7 @@ def to_config(args: argparse.Namespace) -> LaunchConfig:
         use_srun=bool(allocated) and not args.mpi,
         mpi_args=mpi_args,
         remote_python=args.remote_python,
+        timestamps=args.prefix_output_with_timestamp,
     )
     from .elastic.launch import is_elastic, settings_from_flags
 

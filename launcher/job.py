@@ -67,7 +67,7 @@ class Job:
 
     def __init__(self, config: LaunchConfig, output: Optional[Output] = None):
         self.config = config
-        self.output = output or Output()
+        self.output = output or Output(timestamps=config.timestamps)
         self.placements: List[RankPlacement] = assign_ranks(config.hosts, config.np)
         self.local: Dict[str, bool] = {}
         for placement in self.placements:

@@ -58,6 +58,8 @@ class LaunchConfig:
     """Seconds between SIGTERM and SIGKILL when ranks are stopped."""
     output_dir: Optional[str] = None
     """Also write ``<dir>/rank.<N>/stdout`` and ``stderr`` for every rank."""
+    timestamps: bool = False
+    """Start every forwarded output line with the time (``--prefix-output-with-timestamp``)."""
     verbose: bool = False
     """Print the exact commands run."""
     dry_run: bool = False

@@ -68,8 +68,9 @@ class Output:
     is called once, which :func:`monitor` turns into a stop of every rank.
     """
 
-    def __init__(self, stdout: IO[str] = None, stderr: IO[str] = None):
+    def __init__(self, stdout: IO[str] = None, stderr: IO[str] = None, timestamps: bool = False):
         self._streams = {"stdout": stdout or sys.stdout, "stderr": stderr or sys.stderr}
+        self.timestamps = timestamps  # lines start with time.asctime(), as Horovod's do
         self._lock = threading.Lock()
         self.closed: Dict[str, str] = {}  # stream -> why writing to it failed
         self.on_closed: Optional[Callable[[str], None]] = None
@@ -91,7 +92,8 @@ class Output:
 
     def line(self, rank: int, stream: str, text: str) -> None:
         with self._lock:
-            self._write(stream, f"[{rank}]<{stream}>:{text}\n")
+            when = time.asctime() if self.timestamps else ""
+            self._write(stream, f"{when}[{rank}]<{stream}>:{text}\n")
 
     def note(self, text: str) -> None:
         """A launcher message on stderr."""

@@ -56,3 +56,28 @@ def test_an_elastic_job_refuses_a_subset_before_touching_anything():
     environ = {"HVDLIKE_ELASTIC_WORKER": "host:0", "HVDLIKE_RANK": "0", "HVDLIKE_SIZE": "2"}
     with pytest.raises(HvdlikeError, match="elastic job"):
         Runtime.build(environ=environ, world=world.World(ranks=[0]))
+
+
+def test_a_store_hosted_for_part_of_the_job_outlives_that_runtime():
+    """Under srun rank 0 hosts the job's store; with init(comm=[0]) the ranks of other
+    lists still use it after rank 0's runtime ends, and rank 0's next runtime reuses it."""
+    import socket
+
+    from hvdlike.core.job_store import JobStore
+    from hvdlike.core.topology import Rendezvous
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    rdzv = Rendezvous(launcher="srun", addr="127.0.0.1", port=port, secret="s" * 32,
+                      host_store=True)
+    launched = Topology(rank=0, size=3)
+    part = JobStore(launched, rdzv, 10.0)
+    part.keep_server = True
+    part.connect().set("k", b"v")
+    part.close()
+    other = JobStore(Topology(rank=1, size=3), rdzv, 10.0).connect()  # a rank of another list
+    assert other.get("k") == b"v"
+    again = JobStore(launched, rdzv, 10.0)  # this process's next runtime: no second bind
+    assert again.connect().get("k") == b"v"
+    again.close()
