@@ -76,7 +76,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from typing import NoReturn, Optional, Sequence
+from typing import List, NoReturn, Optional, Sequence
 
 from hvdlike.core import config as core_config
 
@@ -411,11 +411,32 @@ def execute(config: LaunchConfig) -> int:
     return result.exit_code
 
 
+def with_config_file(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                     argv: List[str]) -> argparse.Namespace:
+    """``--config-file``: the file's settings as flags before the command line's own,
+    so every flag given on the command line wins (as with horovodrun).
+
+    Raises:
+        LaunchError: the file is unreadable or holds a bad setting.
+    """
+    from . import config_file
+
+    if not args.config_file.strip():
+        raise LaunchError("--config-file is empty")
+    tokens = config_file.to_flags(args.config_file)
+    if args.mpi or args.gloo:  # the command line chose the launcher: the file's choice yields
+        tokens = [t for t in tokens if t not in ("--mpi", "--gloo")]
+    return parser.parse_args(tokens + argv)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``hvdlike-run``; returns the exit status."""
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     try:
+        if args.config_file is not None:
+            args = with_config_file(parser, args, argv)
         if args.check_build:
             from .check_build import report
 

@@ -53,8 +53,12 @@ MAX_DEPTH = 10
 """The deepest nesting of YAML collections accepted; a real config file uses 2."""
 
 _BOOLEAN = "boolean"
-_NUMBER = "number"
+_NUMBER = "number"      # int or float, >= 0
+_INTEGER = "integer"    # int, >= 0
 _STRING = "string"
+_CORES = "cores"        # an integer >= 0 (Horovod) or hvdlike's "0,1,..." list, as a string
+_NUMERIC = {_NUMBER: "a number", _INTEGER: "a whole number",
+            _CORES: "a core id or a string of comma-separated core ids"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +79,7 @@ _SECTIONS: Dict[str, Tuple[_Key, ...]] = {
     "params": (
         _Key("fusion_threshold_mb", _NUMBER, "--fusion-threshold-mb"),
         _Key("cycle_time_ms", _NUMBER, "--cycle-time-ms"),
-        _Key("cache_capacity", _NUMBER, "--cache-capacity"),
+        _Key("cache_capacity", _INTEGER, "--cache-capacity"),
         _Key("hierarchical_allreduce", _BOOLEAN, "--hierarchical-allreduce",
              "--no-hierarchical-allreduce"),
         _Key("hierarchical_allgather", _BOOLEAN, "--hierarchical-allgather",
@@ -85,9 +89,9 @@ _SECTIONS: Dict[str, Tuple[_Key, ...]] = {
     "autotune": (
         _Key("enabled", _BOOLEAN, "--autotune", "--no-autotune"),
         _Key("log_file", _STRING, "--autotune-log-file"),
-        _Key("warmup_samples", _NUMBER, "--autotune-warmup-samples"),
-        _Key("steps_per_sample", _NUMBER, "--autotune-steps-per-sample"),
-        _Key("bayes_opt_max_samples", _NUMBER, "--autotune-bayes-opt-max-samples"),
+        _Key("warmup_samples", _INTEGER, "--autotune-warmup-samples"),
+        _Key("steps_per_sample", _INTEGER, "--autotune-steps-per-sample"),
+        _Key("bayes_opt_max_samples", _INTEGER, "--autotune-bayes-opt-max-samples"),
         _Key("gaussian_process_noise", _NUMBER, "--autotune-gaussian-process-noise"),
     ),
     "timeline": (
@@ -102,8 +106,8 @@ _SECTIONS: Dict[str, Tuple[_Key, ...]] = {
     "library_options": (
         _Key("mpi_threads_disable", _BOOLEAN, "--mpi-threads-disable",
              "--no-mpi-threads-disable"),
-        _Key("num_nccl_streams", _NUMBER, "--num-nccl-streams"),
-        _Key("thread_affinity", _NUMBER, "--thread-affinity"),
+        _Key("num_nccl_streams", _INTEGER, "--num-nccl-streams"),
+        _Key("thread_affinity", _CORES, "--thread-affinity"),
         _Key("gloo_timeout_seconds", _NUMBER, "--gloo-timeout-seconds"),
     ),
     "logging": (
@@ -260,7 +264,7 @@ def _parse(text: str, where: str) -> Any:
         raise LaunchError(f"{where}: reading it needs PyYAML (pip install pyyaml)") from None
     try:
         # Not yaml.load with a full loader: tags such as !!python/object are refused.
-        return yaml.load(text, Loader=_loader_class(yaml))  # noqa: S506 (a SafeLoader)
+        return yaml.load(text, Loader=_loader_class(yaml))
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -317,7 +321,8 @@ def _did_you_mean(key: str, valid: Tuple[str, ...], prefix: str = "") -> str:
 def _check_keys(mapping: Dict[Any, Any], owner: str, where: str) -> None:
     for key in mapping:
         if not isinstance(key, str):
-            hint = " (put it in quotes)" if isinstance(key, (bool, int, float)) or key is None else ""
+            scalar = key is None or isinstance(key, (bool, int, float))
+            hint = " (put it in quotes)" if scalar else ""
             raise LaunchError(f"{where}: {owner} has a key that is not a string: "
                               f"{_snippet(key)}{hint}")
 
@@ -327,9 +332,13 @@ def _value_tokens(spec: _Key, value: Any, name: str, where: str) -> List[str]:
         if not isinstance(value, bool):
             raise LaunchError(f"{where}: {name} must be true or false, got {_snippet(value)}")
         return [spec.flag if value else spec.off_flag]
-    if spec.kind == _NUMBER:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise LaunchError(f"{where}: {name} must be a number, got {_snippet(value)}")
+    if spec.kind == _CORES and isinstance(value, str):
+        return _string_tokens(spec, value, name, where)
+    if spec.kind in _NUMERIC:
+        allowed = (int, float) if spec.kind == _NUMBER else int
+        if isinstance(value, bool) or not isinstance(value, allowed):
+            raise LaunchError(f"{where}: {name} must be {_NUMERIC[spec.kind]}, "
+                              f"got {_snippet(value)}{_text_hint(value)}")
         if isinstance(value, float) and not math.isfinite(value):
             raise LaunchError(f"{where}: {name} must be a finite number, got {_snippet(value)}")
         if value < 0:
@@ -337,6 +346,21 @@ def _value_tokens(spec: _Key, value: Any, name: str, where: str) -> List[str]:
         if isinstance(value, int) and value >= _HUGE:
             raise LaunchError(f"{where}: {name} is too large")
         return [spec.flag, repr(value) if isinstance(value, float) else str(value)]
+    return _string_tokens(spec, value, name, where)
+
+
+def _text_hint(value: Any) -> str:
+    """Why a number-looking value is text: it was quoted, or is YAML 1.1's ``1e3``."""
+    if isinstance(value, str) and len(value) <= _SNIPPET:
+        try:
+            float(value)
+        except ValueError:
+            return ""
+        return " (text, not a number: drop the quotes; write 1e3 as 1.0e+3)"
+    return ""
+
+
+def _string_tokens(spec: _Key, value: Any, name: str, where: str) -> List[str]:
     if not isinstance(value, str) or not value.strip():
         raise LaunchError(f"{where}: {name} must be a non-empty string, got {_snippet(value)}")
     if "\x00" in value:
@@ -364,21 +388,21 @@ def _section_tokens(section: str, body: Any, where: str) -> List[str]:
                               f"{_did_you_mean(key, names, section + '.')}; "
                               f"valid keys in {section}: {', '.join(names)}")
     tokens: List[str] = []
-    emitted: Dict[str, str] = {}  # token -> key that produced it (for the timestamp pair)
+    chosen: Dict[frozenset, Tuple[str, str]] = {}  # a boolean's flag pair -> (key, token)
     for spec in specs:
         value = body.get(spec.name)
         if value is None:
             continue
         produced = _value_tokens(spec, value, f"{section}.{spec.name}", where)
-        if spec.kind == _BOOLEAN and spec.off_flag is not None:
+        if spec.kind == _BOOLEAN:
             pair = frozenset((spec.flag, spec.off_flag))
-            earlier = next((key for token, key in emitted.items() if token in pair), None)
-            if earlier is not None:
-                if produced[0] in emitted:
-                    continue  # two spellings of the same setting agree
-                raise LaunchError(f"{where}: {section}.{earlier} and {section}.{spec.name} "
-                                  f"contradict each other; give only one of them")
-            emitted[produced[0]] = spec.name
+            if pair in chosen:  # hide_timestamp and with_timestamp: two names, one setting
+                earlier, token = chosen[pair]
+                if token != produced[0]:
+                    raise LaunchError(f"{where}: {section}.{earlier} and {section}.{spec.name} "
+                                      f"contradict each other; give only one of them")
+                continue
+            chosen[pair] = (spec.name, produced[0])
         tokens.extend(produced)
     return tokens
 

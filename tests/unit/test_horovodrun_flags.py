@@ -181,3 +181,28 @@ def test_help_lists_the_new_flags():
     text = subprocess.run(["hvdlike-run", "--help"], capture_output=True, text=True).stdout
     for flag in ("--thread-affinity", "--config-file", "--disable-cache", "--log-with-timestamp"):
         assert flag in text
+
+
+def test_a_config_file_sets_flags_and_the_command_line_wins(tmp_path, monkeypatch):
+    path = tmp_path / "horovod.yaml"
+    path.write_text("controller: mpi\nparams:\n  fusion_threshold_mb: 32\n  cycle_time_ms: 2\n"
+                    "autotune:\n  enabled: false\nlogging:\n  hide_timestamp: true\n")
+    seen = {}
+    monkeypatch.setattr(cli, "execute", lambda config: seen.setdefault("config", config) and 0)
+    assert cli.main(["-np", "1", "--gloo", "--config-file", str(path), "--cycle-time-ms", "5",
+                     "python", "x.py"]) == 0
+    config = seen["config"]
+    assert not config.use_mpi  # --gloo on the command line: the file's controller yields
+    assert config.knob_env == {"HVDLIKE_FUSION_THRESHOLD": str(32 * 2 ** 20),
+                               "HVDLIKE_CYCLE_TIME": "5", "HVDLIKE_AUTOTUNE": "0",
+                               "HVDLIKE_LOG_HIDE_TIME": "1"}
+
+
+def test_a_bad_config_file_is_a_one_line_error(tmp_path, capsys):
+    path = tmp_path / "bad.yaml"
+    path.write_text("params:\n  fusion_treshold_mb: 32\n")
+    assert cli.main(["-np", "1", "--config-file", str(path), "python", "x.py"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "fusion_treshold_mb" in err and "bad.yaml" in err
+    assert cli.main(["-np", "1", "--config-file", "", "python", "x.py"]) == 2
+    assert "--config-file is empty" in capsys.readouterr().err
