@@ -9,7 +9,10 @@ From then on the memory lives only as long as some member keeps it mapped:
 however the job ends -- a clean shutdown, a rank killed by ``SIGKILL``, the
 launcher killed -- nothing is left behind in ``/dev/shm``. Only a crash of
 *every* member in the few milliseconds between creation and attachment
-leaves the name; it starts with the job's tag, so the launcher sweeps it.
+leaves the name; it starts with the job's tag, so the launcher sweeps it, and
+when nothing survives (the launcher killed too) the next hvdlike process on the
+host that creates a segment removes it once it is old enough
+(:func:`sweep_orphans`).
 
 Synchronisation uses one 32-bit counter per member, written only by that
 member (no atomic read-modify-write is ever needed): arriving at the k-th
@@ -118,6 +121,60 @@ def job_tag(secret: str) -> str:
 
 def segment_path(name: str) -> str:
     return os.path.join(SHM_DIR, name)
+
+
+ORPHAN_AGE_SECONDS = 600.0
+"""A segment name older than this whose creator is gone is an orphan (see
+:func:`sweep_orphans`): a live job's names exist only while its members attach."""
+
+_NAME_PARTS = 5  # hvdlike-<tag>-<creator pid>-<count>-<random>
+
+
+def sweep_orphans(now: Optional[float] = None) -> List[str]:
+    """Remove names left by jobs every process of which died while attaching.
+
+    A name is removed when it has hvdlike's shape, belongs to this user, is
+    older than :data:`ORPHAN_AGE_SECONDS` and its creator (the pid in the name)
+    no longer runs. Another user's names, young names and names whose creator
+    lives are left alone; a creator in another pid namespace that shares this
+    ``/dev/shm`` would look gone, hence the age. Returns the removed names.
+    """
+    now = time.time() if now is None else now
+    removed = []
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return removed
+    for name in names:
+        parts = name.split("-")
+        if not name.startswith(NAME_PREFIX) or len(parts) != _NAME_PARTS:
+            continue
+        try:
+            pid = int(parts[2])
+            info = os.lstat(segment_path(name))
+        except (ValueError, OSError):
+            continue
+        if (info.st_uid != os.getuid() or not stat.S_ISREG(info.st_mode)
+                or now - info.st_mtime < ORPHAN_AGE_SECONDS or _alive(pid)):
+            continue
+        try:
+            os.unlink(segment_path(name))
+            removed.append(name)
+        except OSError:
+            pass
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return True  # not a pid this module writes: leave it
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: a process of another user has it
+        return True
+    return True
 
 
 def sweep(tag: str) -> List[str]:
@@ -519,6 +576,8 @@ def attach(store, key: str, tag: str, me: int, members: int, header: int, size: 
     what = f"shared memory for ranks {list(ranks)}"
     try:
         if me == 0:
+            if _created == 0:  # once per process: what earlier jobs could not remove
+                sweep_orphans()
             _created += 1
             name = f"{NAME_PREFIX}{tag}-{os.getpid()}-{_created}-{secrets.token_hex(4)}"
             mm = Segment.create(name, size)

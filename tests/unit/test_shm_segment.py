@@ -347,3 +347,35 @@ def test_members_arrive_without_sched_getcpu(monkeypatch):
     assert views[0].arrive() == 1 and views[1].arrive() == 1
     views[0].wait_all(lambda missing: None)  # both arrived: returns at once
     assert views[0].read(1, shm_segment._TID) == 0  # nothing published
+
+
+def test_orphans_of_jobs_that_died_attaching_are_removed_once_old(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    monkeypatch.setattr(shm_segment, "SHM_DIR", str(tmp_path))
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    tag = shm_segment.job_tag("some job")
+    names = {
+        "orphan": f"hvdlike-{tag}-{gone.pid}-1-0badcafe",
+        "young": f"hvdlike-{tag}-{gone.pid}-2-0badcafe",
+        "creator alive": f"hvdlike-{tag}-{os.getpid()}-1-0badcafe",
+        "other user": f"hvdlike-{tag}-{gone.pid}-3-0badcafe",
+        "not ours": f"other-{tag}-{gone.pid}-1-0badcafe",
+        "odd shape": f"hvdlike-{tag}-x-1-0badcafe",
+    }
+    now = 1_000_000.0
+    for label, name in names.items():
+        path = tmp_path / name
+        path.write_bytes(b"\0" * 64)
+        age = 60.0 if label == "young" else shm_segment.ORPHAN_AGE_SECONDS + 60.0
+        os.utime(path, (now - age, now - age))
+    if os.getuid() == 0:
+        os.chown(tmp_path / names["other user"], 65534, 65534)
+    else:
+        names.pop("other user")
+        (tmp_path / f"hvdlike-{tag}-{gone.pid}-3-0badcafe").unlink()
+    assert shm_segment.sweep_orphans(now=now) == [names["orphan"]]
+    left = set(os.listdir(tmp_path))
+    assert left == {name for label, name in names.items() if label != "orphan"}
