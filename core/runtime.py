@@ -258,7 +258,12 @@ class Runtime:
             self.recording.adopt(carried.timeline_request, carried.timeline,
                                   int(environ.get(ENV_GENERATION, "0") or 0))
         elif cfg.timeline:
-            self.recording.open(cfg.timeline, cfg.timeline_mark_cycles)
+            try:
+                self.recording.open(cfg.timeline, cfg.timeline_mark_cycles)
+            except ValueError as exc:  # say which setting, not start_timeline()
+                reason = str(exc).replace("start_timeline: ", "", 1)
+                raise ConfigError(f"HVDLIKE_TIMELINE={cfg.timeline!r} (or HOROVOD_TIMELINE, "
+                                  f"--timeline-filename): {reason}") from None
 
     def _register_comm_sets(self, process_sets: list) -> None:
         """``init(process_sets=...)`` with sets made from MPI communicators."""

@@ -243,3 +243,15 @@ def test_size_cap_is_checked():
     assert knob.parse(str(MIN_MAX_BYTES)) == MIN_MAX_BYTES
     with pytest.raises(ValueError):
         knob.parse(str(MIN_MAX_BYTES - 1))
+
+
+def test_an_unwritable_timeline_setting_names_the_variable_at_init(tmp_path):
+    from hvdlike.core.errors import ConfigError
+    from hvdlike.core.runtime import Runtime
+
+    target = str(tmp_path / "missing" / "t.json")
+    with pytest.raises(ConfigError) as caught:
+        Runtime.build(environ={"HVDLIKE_TIMELINE": target})
+    text = str(caught.value)
+    assert text.startswith(f"HVDLIKE_TIMELINE={target!r}") and "cannot write" in text
+    assert "start_timeline" not in text
