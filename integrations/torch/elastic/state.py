@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from typing import Any, Dict
+from typing import Any, Dict, List, Tuple
 
 import torch
 
@@ -16,12 +16,17 @@ from ..objects import allgather_object, broadcast_object
 from .sampler import ElasticSampler
 
 
-class _Handler:
-    """Save / restore / sync of one framework object held by the state."""
+class StateHandler:
+    """Save / restore / sync of one framework object a :class:`TorchState` holds.
+
+    Horovod's interface: subclass it, implement ``save``, ``restore`` and
+    ``sync``, and register it for a type with :func:`set_handler_registry`.
+    ``set_value`` takes a new object in place of the old one (and saves it);
+    ``reset`` runs when the job re-forms (after ``restore``/``sync``).
+    """
 
     def __init__(self, value):
         self.value = value
-        self.save()
 
     def save(self) -> None:
         raise NotImplementedError
@@ -32,11 +37,21 @@ class _Handler:
     def sync(self) -> None:
         raise NotImplementedError
 
+    def set_value(self, value) -> None:
+        self.value = value
+        self.save()
+
     def reset(self) -> None:
         pass
 
 
-class _ModelHandler(_Handler):
+class ModelStateHandler(StateHandler):
+    """A module: its state dict (tensors cloned), rank 0's broadcast on sync."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.save()
+
     def save(self) -> None:
         self._saved = {k: v.detach().clone() for k, v in self.value.state_dict().items()}
 
@@ -47,7 +62,13 @@ class _ModelHandler(_Handler):
         broadcast_parameters(self.value.state_dict(), root_rank=0)
 
 
-class _OptimizerHandler(_Handler):
+class OptimizerStateHandler(StateHandler):
+    """An optimizer: its state dict, ``broadcast_optimizer_state`` on sync."""
+
+    def __init__(self, optimizer):
+        super().__init__(optimizer)
+        self.save()
+
     def save(self) -> None:
         self._saved = copy.deepcopy(self.value.state_dict())
 
@@ -58,6 +79,28 @@ class _OptimizerHandler(_Handler):
     def sync(self) -> None:
         _forget_pending_reduction(self.value)
         broadcast_optimizer_state(self.value, root_rank=0)
+
+
+class LRSchedulerStateHandler(StateHandler):
+    """A learning-rate scheduler: its state dict, rank 0's on sync.
+
+    Kept as a plain attribute it would be deep-copied on restore together with
+    its optimizer, and from then on step a copy of the optimizer: the training
+    optimizer's learning rate would silently stop following the schedule.
+    """
+
+    def __init__(self, scheduler):
+        super().__init__(scheduler)
+        self.save()
+
+    def save(self) -> None:
+        self._saved = copy.deepcopy(self.value.state_dict())
+
+    def restore(self) -> None:
+        self.value.load_state_dict(copy.deepcopy(self._saved))
+
+    def sync(self) -> None:
+        self.value.load_state_dict(broadcast_object(self.value.state_dict(), root_rank=0))
 
 
 def _forget_pending_reduction(optimizer) -> None:
@@ -77,7 +120,14 @@ def _forget_pending_reduction(optimizer) -> None:
         optimizer._hvd_round_open = False
 
 
-class _SamplerHandler(_Handler):
+class SamplerStateHandler(StateHandler):
+    """An :class:`ElasticSampler`: its progress; on sync rank 0's epoch and what
+    every rank processed in it."""
+
+    def __init__(self, sampler):
+        super().__init__(sampler)
+        self.save()
+
     def save(self) -> None:
         self._saved = self.value.state_dict()
 
@@ -114,13 +164,49 @@ class _SamplerHandler(_Handler):
         self.value.reset()
 
 
+def _schedulers() -> list:
+    """The scheduler base classes of this torch (ReduceLROnPlateau stood apart before 2.2)."""
+    from torch.optim import lr_scheduler
+
+    found = [getattr(lr_scheduler, "LRScheduler", None) or lr_scheduler._LRScheduler]
+    plateau = getattr(lr_scheduler, "ReduceLROnPlateau", None)
+    if plateau is not None and not issubclass(plateau, found[0]):
+        found.append(plateau)
+    return found
+
+
+_handler_registry: List[Tuple[type, type]] = [
+    (torch.nn.Module, ModelStateHandler),
+    (torch.optim.Optimizer, OptimizerStateHandler),
+    (ElasticSampler, SamplerStateHandler),
+] + [(kind, LRSchedulerStateHandler) for kind in _schedulers()]
+
+
+def get_handler_registry() -> List[Tuple[type, type]]:
+    """The ``(type, handler class)`` pairs :class:`TorchState` consults, in order."""
+    return list(_handler_registry)
+
+
+def set_handler_registry(registry) -> None:
+    """Replace the pairs :class:`TorchState` consults (the first whose type matches wins).
+
+    Raises:
+        TypeError: an entry is not a ``(type, StateHandler subclass)`` pair.
+    """
+    pairs = list(registry)
+    for index, pair in enumerate(pairs):
+        ok = (isinstance(pair, (tuple, list)) and len(pair) == 2 and isinstance(pair[0], type)
+              and isinstance(pair[1], type) and issubclass(pair[1], StateHandler))
+        if not ok:
+            raise TypeError(f"set_handler_registry: entry {index} must be a (type, StateHandler "
+                            f"subclass) pair, got {pair!r}")
+    _handler_registry[:] = [tuple(p) for p in pairs]
+
+
 def _handler_for(value):
-    if isinstance(value, torch.nn.Module):
-        return _ModelHandler(value)
-    if isinstance(value, torch.optim.Optimizer):
-        return _OptimizerHandler(value)
-    if isinstance(value, ElasticSampler):
-        return _SamplerHandler(value)
+    for kind, handler_cls in _handler_registry:
+        if isinstance(value, kind):
+            return handler_cls(value)
     return None
 
 
@@ -139,7 +225,7 @@ class TorchState(ObjectState):
     def __init__(self, model=None, optimizer=None, **kwargs: Any):
         check_names(self, kwargs)
         kwargs.update(model=model, optimizer=optimizer)
-        handlers: Dict[str, _Handler] = {}
+        handlers: Dict[str, StateHandler] = {}
         plain: Dict[str, Any] = {}
         for name, value in kwargs.items():
             handler = _handler_for(value)
