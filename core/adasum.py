@@ -25,11 +25,17 @@ products are per tensor, i.e. per layer, as the method intends. Vectors
 travel on a dedicated Gloo group of the process set, point to point; CUDA
 tensors are staged through host memory. A rank that has joined contributes
 zeros, which the rule leaves out (``combine(a, 0) == a``).
+
+CUDA tensors (or every tensor, with ``HVDLIKE_ADASUM_HIERARCHICAL=1``) are
+combined hierarchically, as Horovod's GPU Adasum: a sum inside each host,
+Adasum across hosts (:meth:`AdasumRunner.hierarchical_reduce`,
+:func:`hierarchical_reference`).
 """
 
 from __future__ import annotations
 
-from typing import List, Sequence
+import hashlib
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -37,6 +43,7 @@ from .errors import HvdlikeInternalError
 from .wire import scale
 
 _TAG_LEVELS = 64  # tags per operation: levels plus the fold steps
+_HOST_TAGS = 2  # hierarchical: tags of the transfers inside a host, before the leaders'
 
 
 def combine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -84,13 +91,48 @@ def reference(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return vals[0]
 
 
-class AdasumRunner:
-    """Runs Adasum allreduces of one process set over point-to-point Gloo transfers."""
+def hierarchical_reference(tensors: Sequence[torch.Tensor],
+                           hosts: Sequence[Sequence[int]]) -> torch.Tensor:
+    """The hierarchical Adasum (:meth:`AdasumRunner.hierarchical_reduce`) in one process.
 
-    def __init__(self, groups, rank: int, size: int):
+    ``hosts``: the ranks of each host (hosts ordered by their first rank). The
+    tensors of a host are summed in rank order, then the sums are combined by
+    :func:`reference` in host order.
+    """
+    sums = []
+    for ranks in hosts:
+        total = tensors[ranks[0]].clone()
+        for r in ranks[1:]:
+            total = total + tensors[r]
+        sums.append(total)
+    return reference(sums)
+
+
+def host_code(host: str) -> int:
+    """A 63-bit number naming ``host`` (members compare numbers, not strings)."""
+    return int.from_bytes(hashlib.sha256(host.encode()).digest()[:8], "little") >> 1
+
+
+class AdasumRunner:
+    """Runs Adasum allreduces of one process set over point-to-point Gloo transfers.
+
+    ``hierarchical`` (``HVDLIKE_ADASUM_HIERARCHICAL``): None runs CUDA tensors
+    hierarchically and CPU tensors flat, as Horovod does; True / False force it.
+    Hierarchical: the members of each host (``host``, this member's host key)
+    sum their vectors at the host's first member, those members combine the
+    sums with Adasum, and each sends the result back to its host's members --
+    Horovod's GPU Adasum (a sum inside each node, Adasum across nodes), so on
+    one host it is a sum.
+    """
+
+    def __init__(self, groups, rank: int, size: int, host: str = "",
+                 hierarchical: Optional[bool] = None):
         self.groups = groups
         self.rank = rank
         self.size = size
+        self.host = host
+        self.hierarchical = hierarchical
+        self._hosts: Optional[List[List[int]]] = None
         self.count = 0  # operations launched; identical on every rank (same order)
 
     def next_tag(self) -> int:
@@ -108,30 +150,79 @@ class AdasumRunner:
 
     def reduce(self, vector: torch.Tensor, tag: int) -> torch.Tensor:
         """This rank's Adasum result for its contiguous CPU ``vector``."""
-        p, r = self.size, self.rank
-        if p == 1:
+        if self.size == 1:
             return vector
         group = self.groups.data("adasum")  # private: p2p never meets the data collectives
+        return self._adasum_over(group, vector, list(range(self.size)), self.rank, tag)
+
+    def _adasum_over(self, group, vector: torch.Tensor, members: List[int], r: int,
+                     tag: int) -> torch.Tensor:
+        """Adasum among ``members`` (set ranks, in order); ``r``: this member's index."""
+        p = len(members)
+        if p == 1:
+            return vector
         q = _largest_power_of_two(p)
         x = vector
         if r >= q:  # fold in, wait for the result, done
-            group.send([x], r - q, tag).wait()
+            group.send([x], members[r - q], tag).wait()
             out = torch.empty_like(x)
-            group.recv([out], r - q, tag + 1).wait()
+            group.recv([out], members[r - q], tag + 1).wait()
             return out
         if r + q < p:
             extra = torch.empty_like(x)
-            group.recv([extra], r + q, tag).wait()
+            group.recv([extra], members[r + q], tag).wait()
             x = combine(x, extra)
         distance, level = 1, 2
         while distance < q:
             peer = r ^ distance
-            theirs = self._exchange(group, x.contiguous(), peer, tag + level)
+            theirs = self._exchange(group, x.contiguous(), members[peer], tag + level)
             x = combine(x, theirs) if r < peer else combine(theirs, x)
             distance *= 2
             level += 1
         if r + q < p:
-            group.send([x.contiguous()], r + q, tag + 1).wait()
+            group.send([x.contiguous()], members[r + q], tag + 1).wait()
+        return x
+
+    def hosts(self, group) -> List[List[int]]:
+        """The set's ranks by host, hosts ordered by their first rank.
+
+        Collective over the set the first time (an allgather of host codes):
+        every member asks at the same operation, the first hierarchical one.
+        """
+        if self._hosts is None:
+            mine = torch.tensor([host_code(self.host)], dtype=torch.int64)
+            codes = [torch.empty(1, dtype=torch.int64) for _ in range(self.size)]
+            group.allgather([codes], [mine]).wait()
+            layout: dict = {}
+            for r, code in enumerate(codes):
+                layout.setdefault(int(code), []).append(r)
+            self._hosts = list(layout.values())
+        return self._hosts
+
+    def hierarchical_reduce(self, vector: torch.Tensor, tag: int) -> torch.Tensor:
+        """Sum inside each host, Adasum between hosts, the result back to every member."""
+        if self.size == 1:
+            return vector
+        group = self.groups.data("adasum")
+        layout = self.hosts(group)
+        mine = next(ranks for ranks in layout if self.rank in ranks)
+        leader = mine[0]
+        if self.rank != leader:
+            group.send([vector], leader, tag).wait()
+            out = torch.empty_like(vector)
+            group.recv([out], leader, tag + 1).wait()
+            return out
+        x = vector
+        for member in mine[1:]:  # in rank order, as hierarchical_reference sums
+            theirs = torch.empty_like(vector)
+            group.recv([theirs], member, tag).wait()
+            x = x + theirs
+        leaders = [ranks[0] for ranks in layout]
+        # Leaders' own tags start past the two used inside hosts.
+        x = self._adasum_over(group, x.contiguous(), leaders, leaders.index(self.rank),
+                              tag + _HOST_TAGS)
+        for member in mine[1:]:
+            group.send([x], member, tag + 1).wait()
         return x
 
     def finalizer(self, items):
@@ -143,6 +234,9 @@ class AdasumRunner:
         """
         (response, entry), = items
         tag = self.next_tag()
+        hierarchical = self.hierarchical
+        if hierarchical is None:  # Horovod: hierarchical on GPUs, flat on CPUs
+            hierarchical = response.device.startswith("cuda")
         if entry is not None:
             source = entry.tensor
         else:  # a joined rank stands in with zeros, which Adasum leaves out
@@ -153,7 +247,10 @@ class AdasumRunner:
             vector = source.detach().reshape(-1).to("cpu", copy=True).contiguous()
             scale(vector, response.prescale)
             try:
-                result = self.reduce(vector, tag)
+                if hierarchical:
+                    result = self.hierarchical_reduce(vector, tag)
+                else:
+                    result = self.reduce(vector, tag)
             except HvdlikeInternalError:
                 raise
             except Exception as exc:

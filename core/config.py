@@ -269,6 +269,10 @@ KNOBS = (
          "allgather of a process set spanning hosts in the same three phases "
          "(auto: when some host has several members)",
          flag="--hierarchical-allgather"),
+    Knob("adasum_hierarchical", None, auto_bool,
+         "Adasum inside each host as a sum, then Adasum across hosts (Horovod's GPU "
+         "Adasum); auto: CUDA tensors hierarchical, CPU tensors flat, as in Horovod",
+         flag="--adasum-hierarchical"),
     Knob("disable_group_fusion", False, _parse_bool,
          "do not fuse the members of grouped collectives with other tensors",
          flag="--disable-group-fusion"),
@@ -328,6 +332,7 @@ class Config:
     hierarchical_allreduce: Optional[bool] = None  # None: auto
     hierarchical_allgather: Optional[bool] = None
     cpu_overlap: Optional[bool] = None  # None: auto
+    adasum_hierarchical: Optional[bool] = None  # None: auto (CUDA tensors)
     autotune_bayes_opt_max_samples: Optional[int] = None  # None: the whole search
     autotune_gaussian_process_noise: float = 0.8
     log_hide_time: bool = False

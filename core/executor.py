@@ -137,7 +137,7 @@ class Executor:
     """
 
     def __init__(self, groups, rank: int, size: int, settings, hooks: CompletionHooks,
-                 recording):
+                 recording, host: str = "", adasum_hierarchical: Optional[bool] = None):
         self.groups = groups
         self.rank = rank
         self.size = size
@@ -152,7 +152,8 @@ class Executor:
         self._views = BoundedMemo(8)  # id(buffer) -> (buffer, sizes, views), see _split_views
         self._views.generation = -1
         self.finisher = Finisher(hooks.explain)
-        self.adasum = AdasumRunner(groups, rank, size)  # its group is made on first use
+        # Its group is made on first use; host: this member's host key.
+        self.adasum = AdasumRunner(groups, rank, size, host, adasum_hierarchical)
         self.launched = 0
         self._batch_started = 0.0
         self._last_plan: tuple = ([], -1, [])  # (responses, threshold, batches) of the last cycle

@@ -233,6 +233,8 @@ class Runtime:
         parts = SetParts(topology.rank, self.store, cfg, local_addr, self.engines,
                          self.mpi_world, self.shm, self.hooks, self.settings, self.recording,
                          lambda: self.fatal, self._watch_peers)
+        if not parts.host:  # no shared-memory plane: the host as the launcher names it
+            parts.host = f"{topology.hostname}|{shm_plane.boot_id()}"
         self.sets = ProcessSetRegistry(topology.size, parts, self.submit, self.wait,
                                        self.alive_error)
         try:

@@ -49,6 +49,8 @@ class SetParts:
         self.engines = engines
         self.mpi_world = mpi_world
         self.shm = shm
+        # This rank's host key (hierarchical Adasum groups members by it).
+        self.host = shm.host if shm is not None else ""
         self.hooks = hooks
         self.settings = settings
         self.recording = recording
@@ -120,7 +122,8 @@ class ProcessSetState:
         self.controller = Controller(control, parts.cfg.cache_capacity,
                                      parts.recording.recording)
         self.executor = Executor(self.groups, self.rank, self.size, parts.settings,
-                                 parts.hooks, parts.recording)
+                                 parts.hooks, parts.recording, parts.host,
+                                 parts.cfg.adasum_hierarchical)
         self.controller.speculate = self.executor.offer
         self._closed = False
 

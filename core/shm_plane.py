@@ -117,7 +117,7 @@ class Settings:
     hierarchical_allgather: Optional[bool] = None
 
 
-def _boot_id() -> str:
+def boot_id() -> str:
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             return f.read().strip()
@@ -141,7 +141,7 @@ def settings(cfg, topology, rendezvous) -> Optional[Settings]:
             logger.warning("hierarchical collectives need the shared-memory plane inside "
                            "each host; HVDLIKE_SHM=0 keeps every collective on flat Gloo")
         return None
-    host = f"{topology.hostname}|{_boot_id()}"
+    host = f"{topology.hostname}|{boot_id()}"
     if not os.path.isdir(shm_segment.SHM_DIR):
         host = f"{host}|rank{topology.rank}"  # shares with nobody
     return Settings(tag=job_tag(rendezvous.secret), host=host,
