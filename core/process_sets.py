@@ -13,12 +13,11 @@ registration protocol belong to the runtime's
 
 from __future__ import annotations
 
-import operator
 from typing import List, Optional, Sequence
 
 from . import current
 from .errors import NotInitializedError
-from .world import is_mpi_comm
+from .world import is_mpi_comm, rank_list
 
 
 class ProcessSet:
@@ -52,17 +51,7 @@ class ProcessSet:
         if isinstance(ranks_or_comm, (str, bytes)) or not hasattr(ranks_or_comm, "__iter__"):
             raise TypeError("ProcessSet expects a list of global ranks, got "
                             f"{type(ranks_or_comm).__name__}")
-        given, ranks = list(ranks_or_comm), []
-        for r in given:
-            # Any integer type (numpy's included, as from np.arange) counts; bools do not.
-            try:
-                index = None if isinstance(r, bool) else operator.index(r)
-            except TypeError:
-                index = None
-            if index is None or index < 0:
-                raise ValueError(f"ProcessSet ranks must be non-negative ints, got {r!r} "
-                                 f"({type(r).__name__}) in {given!r}")
-            ranks.append(index)
+        ranks = rank_list(ranks_or_comm, "ProcessSet ranks must be non-negative ints")
         if len(set(ranks)) != len(ranks):
             raise ValueError(f"ProcessSet ranks must be unique, got {ranks}")
         self.ranks = sorted(ranks)

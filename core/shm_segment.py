@@ -140,28 +140,36 @@ def sweep_orphans(now: Optional[float] = None) -> List[str]:
     ``/dev/shm`` would look gone, hence the age. Returns the removed names.
     """
     now = time.time() if now is None else now
+
+    def orphan(name: str) -> bool:
+        parts = name.split("-")
+        if not name.startswith(NAME_PREFIX) or len(parts) != _NAME_PARTS:
+            return False
+        try:
+            pid = int(parts[2])
+            info = os.lstat(segment_path(name))
+        except (ValueError, OSError):
+            return False
+        return (info.st_uid == os.getuid() and stat.S_ISREG(info.st_mode)
+                and now - info.st_mtime >= ORPHAN_AGE_SECONDS and not _alive(pid))
+
+    return _remove_where(orphan)
+
+
+def _remove_where(wanted: Callable[[str], bool]) -> List[str]:
+    """Unlink the names in :data:`SHM_DIR` ``wanted`` accepts; return those removed."""
     removed = []
     try:
         names = os.listdir(SHM_DIR)
     except OSError:
         return removed
     for name in names:
-        parts = name.split("-")
-        if not name.startswith(NAME_PREFIX) or len(parts) != _NAME_PARTS:
-            continue
-        try:
-            pid = int(parts[2])
-            info = os.lstat(segment_path(name))
-        except (ValueError, OSError):
-            continue
-        if (info.st_uid != os.getuid() or not stat.S_ISREG(info.st_mode)
-                or now - info.st_mtime < ORPHAN_AGE_SECONDS or _alive(pid)):
-            continue
-        try:
-            os.unlink(segment_path(name))
-            removed.append(name)
-        except OSError:
-            pass
+        if wanted(name):
+            try:
+                os.unlink(segment_path(name))
+                removed.append(name)
+            except OSError:
+                pass
     return removed
 
 
@@ -179,20 +187,8 @@ def _alive(pid: int) -> bool:
 
 def sweep(tag: str) -> List[str]:
     """Remove segments whose name starts with the job's tag; return the removed names."""
-    removed = []
     start = f"{NAME_PREFIX}{tag}-"
-    try:
-        names = os.listdir(SHM_DIR)
-    except OSError:
-        return removed
-    for name in names:
-        if name.startswith(start):
-            try:
-                os.unlink(segment_path(name))
-                removed.append(name)
-            except OSError:
-                pass
-    return removed
+    return _remove_where(lambda name: name.startswith(start))
 
 
 def spin_seconds(members: int, cores: Optional[int] = None) -> float:

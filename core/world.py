@@ -58,7 +58,21 @@ def parse(comm) -> Optional[World]:
     if isinstance(comm, (str, bytes, dict)) or not hasattr(comm, "__iter__"):
         raise TypeError(f"init: comm must be a list of ranks or an mpi4py communicator, "
                         f"got {type(comm).__name__}")
-    given = list(comm)
+    ranks = rank_list(comm, "init: comm must list non-negative integer ranks")
+    if not ranks:
+        return None  # Horovod: an empty list means every rank
+    if len(set(ranks)) != len(ranks):
+        raise ValueError(f"init: comm lists a rank more than once: {ranks}")
+    return World(ranks=ranks)
+
+
+def rank_list(given, what: str) -> List[int]:
+    """``given``'s items as ranks: any integer type (numpy's too), never a bool.
+
+    Raises:
+        ValueError: ``what``, naming the first item that is not a rank >= 0.
+    """
+    given = list(given)
     ranks = []
     for r in given:
         try:
@@ -66,14 +80,9 @@ def parse(comm) -> Optional[World]:
         except TypeError:
             index = None
         if index is None or index < 0:
-            raise ValueError(f"init: comm must list non-negative integer ranks, got {r!r} "
-                             f"({type(r).__name__}) in {given!r}")
+            raise ValueError(f"{what}, got {r!r} ({type(r).__name__}) in {given!r}")
         ranks.append(index)
-    if not ranks:
-        return None  # Horovod: an empty list means every rank
-    if len(set(ranks)) != len(ranks):
-        raise ValueError(f"init: comm lists a rank more than once: {given!r}")
-    return World(ranks=ranks)
+    return ranks
 
 
 def check_member(world: World, launched: Topology) -> None:
