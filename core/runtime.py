@@ -52,6 +52,11 @@ _SUBSET_POLL_SECONDS = 0.002
 
 
 
+def _with_id(pset, set_id):
+    pset.process_set_id = set_id
+    return pset
+
+
 def affinity_core(cores: str, topology) -> Optional[int]:
     """The core ``HVDLIKE_THREAD_AFFINITY`` gives this rank's background thread, or None.
 
@@ -247,7 +252,7 @@ class Runtime:
                 f"rank(s) (Gloo on {local_addr or 'default interface'}): {exc}") from None
         # Static sets are live from the first cycle on every rank: registered
         # before the background thread starts cycling.
-        if any(getattr(p, "ranks", ()) is None for p in process_sets):
+        if any(getattr(p, "mpi_comm", None) is not None for p in process_sets):
             self._register_comm_sets(process_sets)
         else:
             self.sets.register_static(process_sets)
@@ -277,7 +282,8 @@ class Runtime:
         control = self.sets.states[0].controller.control
         from_comms = world_mod.resolve_comm_sets(
             process_sets, base, f"this job was started by {launcher}, not mpirun", control)
-        self.sets.register_static([ProcessSet(ranks) for ranks in from_comms]
+        self.sets.register_static([_with_id(ProcessSet(ranks), had)
+                                   for ranks, had in from_comms]
                                   + [p for p in process_sets
                                      if getattr(p, "mpi_comm", None) is None])
         by_ranks = {tuple(ranks): set_id for set_id, ranks in self.sets.ranks.items()}

@@ -185,8 +185,8 @@ def resolve_comm_sets(psets: list, base, why_not: str, control) -> list:
         why_not: what to say when ``base`` is None.
 
     Returns:
-        The ranks of the communicators' sets, the same on every rank; they
-        are registered before the sets given as lists.
+        ``(ranks, id it had or None)`` of the communicators' sets, the same on
+        every rank; they are registered before the sets given as lists.
 
     Raises:
         ValueError: on every rank, when a rank cannot translate a communicator
@@ -194,16 +194,18 @@ def resolve_comm_sets(psets: list, base, why_not: str, control) -> list:
     """
     import pickle
 
-    from_comms = [p for p in psets if getattr(p, "ranks", 0) is None]
+    # By their communicator (ranks are set once registered, also before a re-init).
+    from_comms = [p for p in psets if getattr(p, "mpi_comm", None) is not None]
     error, mine = "", []
     for index, pset in enumerate(psets):
-        if getattr(pset, "ranks", 0) is not None:
+        if getattr(pset, "mpi_comm", None) is None:
             continue
         if base is None:
             error = f"process_sets[{index}] is made from an MPI communicator, but {why_not}"
             break
         try:
-            mine.append(_comm_ranks(pset.mpi_comm, base))
+            # With the id it had: a re-init after shutdown() keeps it, as listed sets do.
+            mine.append((_comm_ranks(pset.mpi_comm, base), pset.process_set_id))
         except ValueError as exc:
             error = f"process_sets[{index}]: {exc}"
             break
@@ -222,12 +224,16 @@ def resolve_comm_sets(psets: list, base, why_not: str, control) -> list:
         else:
             union = []
             for position in range(counts[0]):
-                seen = {tuple(m[position]) for _, m in reports if m[position] is not None}
-                union.extend(sorted(seen))
+                seen: dict = {}
+                for _, m in reports:
+                    ranks, had = m[position]
+                    if ranks is not None and seen.get(tuple(ranks)) is None:
+                        seen[tuple(ranks)] = had
+                union.extend(sorted(seen.items()))
             decided = ("", union)
     verdict, union = pickle.loads(control.broadcast(pickle.dumps(decided)))
     if verdict:
         raise ValueError(verdict)
-    for pset, ranks in zip(from_comms, mine):
+    for pset, (ranks, _) in zip(from_comms, mine):
         pset.ranks = ranks
-    return [list(t) for t in union]
+    return [(list(t), had) for t, had in union]

@@ -198,6 +198,13 @@ def _under_mpirun():
         hvd.add_process_set(hvd.ProcessSet(pair))
     except NotImplementedError as exc:
         out["dynamic"] = str(exc)
+    hvd.barrier()  # shutdown() on one rank ends the job: not while a set still reduces
+    hvd.shutdown()
+    # The same objects again after a shutdown (their ranks are known by now).
+    hvd.init(process_sets=[first, mine])
+    out["again"] = (mine.process_set_id, api.runtime().sets.ranks,
+                    hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum, process_set=mine).item())
+    hvd.barrier()
     hvd.shutdown()
     return out
 
@@ -227,3 +234,4 @@ def test_under_mpirun_communicators_and_lists_make_runtimes_and_sets():
         assert set_id == (2 if me == 2 else 1), out
         assert total == (2.0 if me == 2 else 1.0), out
         assert "only be registered by init" in out["dynamic"], out
+        assert out["again"] == (set_id, table, float(len(ranks))), out
