@@ -51,7 +51,6 @@ _IDLE_PAUSE_MAX_SECONDS = 0.05
 _SUBSET_POLL_SECONDS = 0.002
 
 
-
 def _with_id(pset, set_id):
     pset.process_set_id = set_id
     return pset
@@ -77,6 +76,7 @@ def affinity_core(cores: str, topology) -> Optional[int]:
                           f"{topology.local_rank}) is not available to this process; it may "
                           f"use cores {allowed}")
     return core
+
 
 class Runtime:
     """A live hvdlike job in this process (see the module docstring for its life cycle).
