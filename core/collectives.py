@@ -16,7 +16,7 @@ from typing import Any, Callable, List, Sequence
 
 import torch
 
-from .errors import UnsupportedOpError
+from .errors import InvalidSplitsError, UnsupportedOpError
 from .messages import OpType, ReduceOp, Request, new_request
 from .tensor_queue import Entry
 
@@ -185,23 +185,25 @@ def broadcast_entry(tensor, root_rank: int, size: int, name: str, inplace=False)
 
 def split_counts(splits, what: str) -> List[int]:
     """``splits`` (a sequence of integers or a 1-D integer tensor) as a list of ints;
-    a TypeError naming what is wrong otherwise -- never a truncated float."""
+    an :class:`InvalidSplitsError` (a TypeError and a ValueError) naming what is
+    wrong otherwise -- never a truncated float."""
+    bad = InvalidSplitsError
     if isinstance(splits, torch.Tensor):
         dtype = str(splits.dtype).replace("torch.", "")
         if splits.is_floating_point() or splits.is_complex() or splits.dtype == torch.bool:
-            raise TypeError(f"{what}: splits must be integers, got a {dtype} tensor")
+            raise bad(f"{what}: splits must be integers, got a {dtype} tensor")
         if splits.dim() > 1:
-            raise TypeError(f"{what}: splits must be a 1-D integer tensor or a list of ints, "
-                            f"got a {splits.dim()}-D {dtype} tensor")
+            raise bad(f"{what}: splits must be a 1-D integer tensor or a list of ints, "
+                      f"got a {splits.dim()}-D {dtype} tensor")
         return [int(s) for s in splits.reshape(-1).tolist()]
     if isinstance(splits, (str, bytes)) or not hasattr(splits, "__iter__"):
-        raise TypeError(f"{what}: splits must be a list of ints or a 1-D integer tensor, got "
-                        f"{type(splits).__name__} {splits!r:.60}")
+        raise bad(f"{what}: splits must be a list of ints or a 1-D integer tensor, got "
+                  f"{type(splits).__name__} {splits!r:.60}")
     out = []
     for i, s in enumerate(splits):
         if isinstance(s, bool) or not isinstance(s, numbers.Integral):
-            raise TypeError(f"{what}: splits must be integers; splits[{i}] is "
-                            f"{type(s).__name__} {s!r:.40}")
+            raise bad(f"{what}: splits must be integers; splits[{i}] is "
+                      f"{type(s).__name__} {s!r:.40}")
         out.append(int(s))
     return out
 

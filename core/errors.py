@@ -40,6 +40,14 @@ class UnsupportedOpError(HvdlikeError, ValueError):
     with Adasum, say). A ``RuntimeError`` as in Horovod, and a ``ValueError``."""
 
 
+class InvalidSplitsError(TypeError, ValueError):
+    """Alltoall ``splits`` that are not integers (a float tensor, a string, ...).
+
+    A ``TypeError`` for what it is, and a ``ValueError`` as Horovod raises for a
+    splits tensor that is not of 32-bit integers (its own tests catch that).
+    """
+
+
 class DuplicateNameError(HvdlikeError, ValueError):
     """A tensor name was submitted again while the first submission is still in flight."""
 
