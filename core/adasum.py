@@ -27,7 +27,7 @@ tensors are staged through host memory. A rank that has joined contributes
 zeros, which the rule leaves out (``combine(a, 0) == a``).
 
 CUDA tensors (or every tensor, with ``HVDLIKE_ADASUM_HIERARCHICAL=1``) are
-combined hierarchically, as Horovod's GPU Adasum: a sum inside each host,
+combined hierarchically, as Horovod's GPU Adasum: an average inside each host,
 Adasum across hosts (:meth:`AdasumRunner.hierarchical_reduce`,
 :func:`hierarchical_reference`).
 """
@@ -96,16 +96,16 @@ def hierarchical_reference(tensors: Sequence[torch.Tensor],
     """The hierarchical Adasum (:meth:`AdasumRunner.hierarchical_reduce`) in one process.
 
     ``hosts``: the ranks of each host (hosts ordered by their first rank). The
-    tensors of a host are summed in rank order, then the sums are combined by
-    :func:`reference` in host order.
+    tensors of a host are summed in rank order and divided by their number (an
+    average), then the averages are combined by :func:`reference` in host order.
     """
-    sums = []
+    means = []
     for ranks in hosts:
         total = tensors[ranks[0]].clone()
         for r in ranks[1:]:
             total = total + tensors[r]
-        sums.append(total)
-    return reference(sums)
+        means.append(total / len(ranks) if len(ranks) > 1 else total)
+    return reference(means)
 
 
 def host_code(host: str) -> int:
@@ -119,10 +119,10 @@ class AdasumRunner:
     ``hierarchical`` (``HVDLIKE_ADASUM_HIERARCHICAL``): None runs CUDA tensors
     hierarchically and CPU tensors flat, as Horovod does; True / False force it.
     Hierarchical: the members of each host (``host``, this member's host key)
-    sum their vectors at the host's first member, those members combine the
-    sums with Adasum, and each sends the result back to its host's members --
-    Horovod's GPU Adasum (a sum inside each node, Adasum across nodes), so on
-    one host it is a sum.
+    average their vectors at the host's first member, those members combine
+    the averages with Adasum, and each sends the result back to its host's
+    members -- Horovod's GPU Adasum (NCCL's averaging inside each node, Adasum
+    across nodes), so on one host it is the average.
     """
 
     def __init__(self, groups, rank: int, size: int, host: str = "",
@@ -200,7 +200,7 @@ class AdasumRunner:
         return self._hosts
 
     def hierarchical_reduce(self, vector: torch.Tensor, tag: int) -> torch.Tensor:
-        """Sum inside each host, Adasum between hosts, the result back to every member."""
+        """Average inside each host, Adasum between hosts, the result back to every member."""
         if self.size == 1:
             return vector
         group = self.groups.data("adasum")
@@ -217,6 +217,8 @@ class AdasumRunner:
             theirs = torch.empty_like(vector)
             group.recv([theirs], member, tag).wait()
             x = x + theirs
+        if len(mine) > 1:
+            x = x / len(mine)
         leaders = [ranks[0] for ranks in layout]
         # Leaders' own tags start past the two used inside hosts.
         x = self._adasum_over(group, x.contiguous(), leaders, leaders.index(self.rank),

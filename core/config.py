@@ -270,7 +270,7 @@ KNOBS = (
          "(auto: when some host has several members)",
          flag="--hierarchical-allgather"),
     Knob("adasum_hierarchical", None, auto_bool,
-         "Adasum inside each host as a sum, then Adasum across hosts (Horovod's GPU "
+         "Adasum as an average inside each host, then Adasum across hosts (Horovod's GPU "
          "Adasum); auto: CUDA tensors hierarchical, CPU tensors flat, as in Horovod",
          flag="--adasum-hierarchical"),
     Knob("disable_group_fusion", False, _parse_bool,
