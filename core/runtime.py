@@ -235,11 +235,12 @@ class Runtime:
         if "mpi" in self.engines:
             self.mpi_world = mpi_plane.duplicate_world(rendezvous.mpi_comm)
         self.shm = shm_plane.settings(cfg, topology, rendezvous)
+        # The host key: the shared-memory plane's, else the host as the launcher names it.
+        host = (self.shm.host if self.shm is not None
+                else f"{topology.hostname}|{shm_plane.boot_id()}")
         parts = SetParts(topology.rank, self.store, cfg, local_addr, self.engines,
                          self.mpi_world, self.shm, self.hooks, self.settings, self.recording,
-                         lambda: self.fatal, self._watch_peers)
-        if not parts.host:  # no shared-memory plane: the host as the launcher names it
-            parts.host = f"{topology.hostname}|{shm_plane.boot_id()}"
+                         lambda: self.fatal, self._watch_peers, host)
         self.sets = ProcessSetRegistry(topology.size, parts, self.submit, self.wait,
                                        self.alive_error)
         try:

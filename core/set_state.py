@@ -36,12 +36,13 @@ class SetParts:
             plane stops polling once the job has failed).
         watch: makes a probe naming ranks that are gone, for the waits while a
             set is built (see :mod:`.store_wait`).
+        host: this rank's host key (hierarchical Adasum groups members by it).
     """
 
     def __init__(self, rank: int, store, cfg, local_addr: str, engines, mpi_world, shm,
                  hooks: CompletionHooks, settings, recording,
                  abandon: Callable[[], Optional[BaseException]],
-                 watch: Watch = store_wait.no_watch):
+                 watch: Watch = store_wait.no_watch, host: str = ""):
         self.rank = rank
         self.store = store
         self.cfg = cfg
@@ -49,8 +50,7 @@ class SetParts:
         self.engines = engines
         self.mpi_world = mpi_world
         self.shm = shm
-        # This rank's host key (hierarchical Adasum groups members by it).
-        self.host = shm.host if shm is not None else ""
+        self.host = host
         self.hooks = hooks
         self.settings = settings
         self.recording = recording

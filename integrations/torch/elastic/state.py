@@ -45,12 +45,26 @@ class StateHandler:
         pass
 
 
-class ModelStateHandler(StateHandler):
-    """A module: its state dict (tensors cloned), rank 0's broadcast on sync."""
+class _SavedWhenMade(StateHandler):
+    """hvdlike's own handlers hold a saved state from the moment they are made."""
 
-    def __init__(self, model):
-        super().__init__(model)
+    def __init__(self, value):
+        super().__init__(value)
         self.save()
+
+
+class _StateDictHandler(_SavedWhenMade):
+    """Saved and restored as a deep copy of the object's state dict."""
+
+    def save(self) -> None:
+        self._saved = copy.deepcopy(self.value.state_dict())
+
+    def restore(self) -> None:
+        self.value.load_state_dict(copy.deepcopy(self._saved))
+
+
+class ModelStateHandler(_SavedWhenMade):
+    """A module: its state dict (tensors cloned), rank 0's broadcast on sync."""
 
     def save(self) -> None:
         self._saved = {k: v.detach().clone() for k, v in self.value.state_dict().items()}
@@ -62,42 +76,25 @@ class ModelStateHandler(StateHandler):
         broadcast_parameters(self.value.state_dict(), root_rank=0)
 
 
-class OptimizerStateHandler(StateHandler):
+class OptimizerStateHandler(_StateDictHandler):
     """An optimizer: its state dict, ``broadcast_optimizer_state`` on sync."""
-
-    def __init__(self, optimizer):
-        super().__init__(optimizer)
-        self.save()
-
-    def save(self) -> None:
-        self._saved = copy.deepcopy(self.value.state_dict())
 
     def restore(self) -> None:
         _forget_pending_reduction(self.value)
-        self.value.load_state_dict(copy.deepcopy(self._saved))
+        super().restore()
 
     def sync(self) -> None:
         _forget_pending_reduction(self.value)
         broadcast_optimizer_state(self.value, root_rank=0)
 
 
-class LRSchedulerStateHandler(StateHandler):
+class LRSchedulerStateHandler(_StateDictHandler):
     """A learning-rate scheduler: its state dict, rank 0's on sync.
 
     Kept as a plain attribute it would be deep-copied on restore together with
     its optimizer, and from then on step a copy of the optimizer: the training
     optimizer's learning rate would silently stop following the schedule.
     """
-
-    def __init__(self, scheduler):
-        super().__init__(scheduler)
-        self.save()
-
-    def save(self) -> None:
-        self._saved = copy.deepcopy(self.value.state_dict())
-
-    def restore(self) -> None:
-        self.value.load_state_dict(copy.deepcopy(self._saved))
 
     def sync(self) -> None:
         self.value.load_state_dict(broadcast_object(self.value.state_dict(), root_rank=0))
@@ -120,13 +117,9 @@ def _forget_pending_reduction(optimizer) -> None:
         optimizer._hvd_round_open = False
 
 
-class SamplerStateHandler(StateHandler):
+class SamplerStateHandler(_SavedWhenMade):
     """An :class:`ElasticSampler`: its progress; on sync rank 0's epoch and what
     every rank processed in it."""
-
-    def __init__(self, sampler):
-        super().__init__(sampler)
-        self.save()
 
     def save(self) -> None:
         self._saved = self.value.state_dict()
