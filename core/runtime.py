@@ -492,6 +492,21 @@ class Runtime:
             self._check_set(state, set_id, entries)
         return handles
 
+    def submit_one(self, entry: Entry, origin: str = "") -> Handle:
+        """:meth:`submit` of one entry to the global set: the same checks and
+        effects with less Python per call (an ``allreduce_async_`` per gradient)."""
+        sets = self.sets
+        state = sets.states.get(0) if sets is not None else None
+        if (state is None or self.fatal is not None or self._stopping
+                or self._stopped.is_set()):
+            return self.submit([entry], 0, origin)[0]  # raises, saying why
+        handle = entry.handle = Handle(entry.request.name, self.handle_lock)
+        entry.enqueued_at = time.monotonic()
+        entry.set_id = 0
+        entry.origin = origin
+        state.queue.put_one(entry)
+        return handle
+
     def _check_set(self, state: ProcessSetState, set_id: int, entries: List[Entry]) -> None:
         """Fail ``entries`` if their process set was removed while they were queued."""
         if self.process_sets.get(set_id) is not state:

@@ -90,6 +90,15 @@ class TensorQueue:
         if not self.wakeup.is_set():
             self.wakeup.set()
 
+    def put_one(self, entry: Entry) -> None:
+        """:meth:`put` of a single entry (the collective submitted by the hundred per step)."""
+        prior = self._inflight.setdefault(entry.request.name, entry)
+        if prior is not entry:
+            raise _duplicate(entry.request.name, prior)
+        self._pending.append(entry)
+        if not self.wakeup.is_set():
+            self.wakeup.set()
+
     def claim(self, entry: Entry) -> None:
         """Mark ``entry``'s name in flight without queueing it (the caller runs
         it itself, see ``Runtime.run``)."""

@@ -194,6 +194,12 @@ class WorkerContext:
                 latest = self.latest()
                 if latest > number:
                     break
+                if self.finished() is not None:
+                    # A rank completed the job before this generation formed (the
+                    # others finished in the one before): nobody else will come.
+                    logger.warning("elastic worker %s: the job was completed before "
+                                   "generation %d formed; leaving", self.worker, number)
+                    raise SystemExit(0)
                 if clock() > deadline:
                     missing = [w for w in members
                                if not self.store.check([protocol.ready_key(number, w)])]

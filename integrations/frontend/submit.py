@@ -113,6 +113,17 @@ def submit(entries, process_set, frontend: str) -> List[Handle]:
         raise _name_in_use(exc, entries, frontend) from exc
 
 
+def submit_one(entry, frontend: str) -> Handle:
+    """:func:`submit` of one entry to the global process set."""
+    runtime = current.SLOT.runtime
+    if runtime is None:
+        runtime = api.runtime()  # raises NotInitializedError
+    try:
+        return runtime.submit_one(entry, frontend)
+    except DuplicateNameError as exc:
+        raise _name_in_use(exc, [entry], frontend) from exc
+
+
 def run(entry, process_set, frontend: str):
     """Run one collective synchronously on behalf of ``frontend``; return its result.
 

@@ -23,7 +23,7 @@ from hvdlike.core.messages import ReduceOp
 from hvdlike.core.process_sets import global_process_set
 from hvdlike.frontend.submit import (  # noqa: F401  (shared by every front end)
     GroupHandle, barrier, join, name_for as _name, poll, run as _run_one,
-    set_size as _set_size, submit, synchronize, wait as _wait,
+    set_size as _set_size, submit, submit_one as _submit_one, synchronize, wait as _wait,
 )
 
 from .compression import Compression
@@ -123,6 +123,8 @@ def _allreduce_async(tensor, name, inplace, op, prescale_factor, postscale_facto
         name = _name(name, "allreduce", process_set)
     entry = core.allreduce_entry(tensor, name, reduce_op, prescale_factor, postscale_factor,
                                  inplace)
+    if process_set is global_process_set:
+        return _submit_one(entry, "hvdlike.torch")
     return submit([entry], process_set, "hvdlike.torch")[0]
 
 

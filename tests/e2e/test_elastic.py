@@ -13,7 +13,7 @@ import signal
 import sys
 import time
 
-from .conftest import ROOT, finish, kill_session, launcher_env, run, start
+from .conftest import ROOT, finish, kill_session, launcher_env, run, start, write_script
 
 TRAIN = os.path.join(ROOT, "tests", "e2e", "elastic_train.py")
 EPOCHS, BATCHES = 2, 6
@@ -127,6 +127,33 @@ def test_ranks_waiting_to_re_form_leave_once_a_rank_completed_the_job(marker):
     assert "rank 0 completed; the job ends once rank 1 has ended (no further re-forms)" in err
     assert "elastic worker w1: the job is finishing (worker w0 completed it)" in err
     assert "generation 2" not in err
+    print(f"job ended {seconds:.1f}s after start")
+
+
+def test_a_rank_started_for_a_generation_the_others_never_enter_leaves(marker):
+    # A script that is not elastic-aware, in a job that grows: the two first ranks
+    # end (status 0) without entering generation 2, whose third rank then waits in
+    # init() for them. It leaves once the job is completed instead of waiting out
+    # the elastic timeout (10 minutes by default).
+    script = write_script(marker, "done_early.py", """
+        import os, sys, time
+        if os.environ["HVDLIKE_ELASTIC_GENERATION"] == "1":
+            time.sleep(4)  # meanwhile the launcher publishes generation 2 (3 ranks)
+            print("EARLY", os.environ["HVDLIKE_RANK"], flush=True)
+            sys.exit(0)
+        import hvdlike.torch as hvd
+        hvd.init()
+        print("ENTERED", hvd.rank(), hvd.size(), flush=True)
+    """)
+    code, out, err, seconds = run(["-np", "2", "--min-np", "2", "--max-np", "3",
+                                   "-H", "localhost:3", sys.executable, script],
+                                  timeout=90, env=_env())
+    assert code == 0, err
+    assert sorted(re.findall(r"EARLY (\d)", out)) == ["0", "1"], out
+    assert "ENTERED" not in out, out
+    assert "generation 2: 3 rank(s)" in err, err
+    assert "elastic worker w2: the job was completed before generation 2 formed; leaving" \
+        in err, err
     print(f"job ended {seconds:.1f}s after start")
 
 
