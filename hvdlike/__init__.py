@@ -42,8 +42,9 @@ def __dir__():
     return sorted(set(globals()) | set(_LAZY))
 
 
-def run(fn, args=(), kwargs=None, np=2, hosts=None, **options):
-    """Run ``fn(*args, **kwargs)`` on ``np`` ranks and return the per-rank results.
+def run(fn, args=(), kwargs=None, np=None, hosts=None, **options):
+    """Run ``fn(*args, **kwargs)`` on ``np`` ranks (default: every slot of ``hosts``,
+    else 2) and return the per-rank results. Takes ``horovod.run``'s arguments too.
 
     See :func:`hvdlike.launcher.api.run` for every option.
     """

@@ -10,7 +10,6 @@ may call ``hvdlike.torch.init()`` and use collectives.
 
 from __future__ import annotations
 
-import operator
 import os
 import sys
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
@@ -18,8 +17,9 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 from hvdlike.core import config as core_config
 from hvdlike.core.errors import HvdlikeError
 
+from . import run_args
 from .errors import LaunchError
-from .hosts import HostSlots, parse_hosts
+from .hosts import HostSlots
 from .job import Job
 from .launch_config import LaunchConfig, SshOptions, effective_settings
 from .monitor import describe_exit
@@ -60,16 +60,6 @@ def _user_path() -> str:
         if os.path.isdir(real) and not any(real.startswith(p + os.sep) or real == p for p in prefixes):
             mine.append(real)
     return os.pathsep.join(dict.fromkeys(mine))
-
-
-def _check_np(np) -> int:
-    try:
-        count = None if isinstance(np, bool) else operator.index(np)
-    except TypeError:
-        count = None
-    if count is None:
-        raise LaunchError(f"hvdlike.run: np must be an int, got {np!r} ({type(np).__name__})")
-    return count
 
 
 def _check_call(fn, args, kwargs):
@@ -160,19 +150,11 @@ def _knob_env(knobs) -> Dict[str, str]:
     return env
 
 
-def _hosts(hosts: Union[None, str, Sequence[HostSlots]], np: int) -> List[HostSlots]:
-    if hosts is None:
-        return [HostSlots("localhost", np)]
-    if isinstance(hosts, str):
-        return parse_hosts(hosts)
-    return list(hosts)
-
-
 def run(
     fn: Callable[..., Any],
     args: Sequence[Any] = (),
     kwargs: Optional[Mapping[str, Any]] = None,
-    np: int = 2,
+    np: Optional[int] = None,
     hosts: Union[None, str, Sequence[HostSlots]] = None,
     ssh_port: Optional[int] = None,
     ssh_identity_file: Optional[str] = None,
@@ -182,31 +164,64 @@ def run(
     knobs: Optional[Mapping[str, Any]] = None,
     start_timeout: Optional[float] = None,
     verbose: bool = False,
-    python: str = sys.executable,
+    python: Optional[str] = None,
+    *,
+    num_proc: Optional[int] = None,
+    min_num_proc: Optional[int] = None,
+    max_num_proc: Optional[int] = None,
+    min_np: Optional[int] = None,
+    max_np: Optional[int] = None,
+    slots: Optional[int] = None,
+    reset_limit: Optional[int] = None,
+    cooldown_range: Optional[Sequence[float]] = None,
+    elastic_timeout: Optional[float] = None,
+    hostfile: Optional[str] = None,
+    host_discovery_script: Optional[str] = None,
+    disable_cache: Optional[bool] = None,
+    output_filename: Optional[str] = None,
+    use_gloo: Optional[bool] = None,
+    use_mpi: Optional[bool] = None,
+    mpi_args: Union[None, str, Sequence[str]] = None,
+    network_interfaces: Optional[Sequence[str]] = None,
+    executable: Optional[str] = None,
 ) -> List[Any]:
     """Run ``fn(*args, **kwargs)`` on ``np`` ranks; return the results in rank order.
+
+    Every argument of ``horovod.run`` is accepted under its Horovod name, with
+    the meaning of the ``hvdlike-run`` flag of that name (see docs/launcher.md).
 
     Args:
         fn: the function; shipped with cloudpickle, so closures and lambdas work.
         args: positional arguments for ``fn`` (the same on every rank).
         kwargs: keyword arguments for ``fn``.
-        np: number of ranks.
+        np: number of ranks (Horovod's ``num_proc``; default: every slot of
+            ``hosts``/``hostfile``, else 2).
         hosts: ``"host1:2,host2:2"`` or a list of :class:`HostSlots`; default
             ``localhost:np``.
         ssh_port: ssh port of remote hosts.
         ssh_identity_file: ssh private key.
         ssh_options: extra ``KEY=VALUE`` ssh options.
-        network_interface: interface for the store and Gloo.
+        network_interface: interface for the store and Gloo (Horovod's
+            ``network_interfaces`` list is accepted too; the first is used).
         env: extra environment variables for every rank.
         knobs: runtime knobs by field name, in the unit of their ``HVDLIKE_*``
             variable, e.g. ``{"cycle_time": 0.5, "fusion_threshold": 0, "shm": False}``.
         start_timeout: seconds hosts and ranks get to start (default: the
             ``start_timeout`` knob).
         verbose: print the commands run.
-        python: interpreter that runs the ranks.
+        python: interpreter that runs the ranks (Horovod's ``executable``).
+        num_proc, min_num_proc, max_num_proc, slots, reset_limit, cooldown_range,
+        elastic_timeout, hostfile, host_discovery_script, disable_cache,
+        output_filename, use_gloo, use_mpi, mpi_args, network_interfaces,
+        executable, min_np, max_np: as ``horovod.run`` and the ``hvdlike-run``
+            flags of the same names. ``min_num_proc``, ``max_num_proc`` or
+            ``host_discovery_script`` make the job elastic; ``use_mpi`` starts
+            the ranks with ``mpirun``.
 
     Returns:
-        ``[fn result on rank 0, rank 1, ...]``.
+        ``[fn result on rank 0, rank 1, ...]``; for an elastic job, the results
+        of the ranks of its last generation (Horovod returns the first
+        ``min_num_proc`` of them).
 
     Raises:
         RankError: ``fn`` raised on a rank (message names the rank, the exception
@@ -224,26 +239,62 @@ def run(
             "hvdlike.run was called while a rank of another hvdlike.run job was loading its "
             "function: the module that defines the function calls hvdlike.run when it is "
             "imported; put that call under `if __name__ == \"__main__\":`")
-    np = _check_np(np)
+    counts = run_args.horovod_arguments(num_proc, np, min_num_proc, min_np, max_num_proc,
+                                        max_np, executable, python)
+    np, python = counts["np"], counts["python"] or sys.executable
     fn, args, kwargs = _check_call(fn, args, kwargs)
+    mpi = run_args.engine(use_gloo, use_mpi)
     environ = dict(os.environ)
     environ.update(_check_env(env))
     environ.setdefault("PYTHONPATH", _user_path())
-    knob_env = _knob_env(knobs)
+    knob_env = _knob_env(run_args.checked_knobs(knobs, disable_cache))
+    discovery = run_args._text(host_discovery_script, "host_discovery_script")
+    if discovery is not None and (hosts is not None or hostfile is not None):
+        raise LaunchError("hvdlike.run: host_discovery_script and hosts/hostfile cannot be "
+                          "used together")
+    elastic = run_args.elastic_settings(np, counts["min_np"], counts["max_np"], discovery,
+                                        run_args._count(slots, "slots"), reset_limit,
+                                        cooldown_range, elastic_timeout)
+    if elastic is not None and mpi:
+        raise LaunchError("hvdlike.run: use_mpi cannot run an elastic job (min_num_proc, "
+                          "max_num_proc or host_discovery_script)")
+    host_slots = ([] if discovery is not None else
+                  run_args.host_list(hosts, hostfile, np if elastic is None else elastic.np))
+    if np is None and elastic is None:
+        np = run_args.slots_total(host_slots)
+    output_dir = run_args._text(output_filename, "output_filename")
+    if output_dir is not None and mpi:
+        raise LaunchError("hvdlike.run: output_filename applies to hvdlike's own launch; "
+                          "under use_mpi pass mpirun's option in mpi_args (Open MPI: "
+                          "'--output-filename DIR')")
+    extra_mpi = run_args.mpi_arguments(mpi_args)
     config = LaunchConfig(
         command=[python, "-m", TASK_MODULE],
-        hosts=_hosts(hosts, np),
-        np=np,
+        hosts=host_slots,
+        np=np if elastic is None else elastic.np,
         ssh=SshOptions(port=ssh_port, identity_file=ssh_identity_file,
                        options=list(ssh_options)),
-        network_interface=network_interface,
+        network_interface=run_args.interface(network_interface, network_interfaces),
         knob_env=knob_env,
-        verbose=verbose,
+        verbose=bool(verbose),
+        output_dir=output_dir,
+        use_mpi=mpi,
+        mpi_args=extra_mpi if mpi else [],
+        preflight=not mpi,
         remote_python=python,
         environ=environ,
+        elastic=elastic,
     )
     config.start_timeout = start_timeout or effective_settings(config).start_timeout
     config.ssh.connect_timeout = min(10.0, config.start_timeout)
+    if mpi:
+        from .run_engines import run_under_mpirun
+
+        return run_under_mpirun(config, fn, args, kwargs)
+    if elastic is not None:
+        from .run_engines import run_elastic_function
+
+        return run_elastic_function(config, fn, args, kwargs)
     job = Job(config)
     payload = _sealed_payload(job.secret, fn, args, kwargs)  # before any rank starts
     with job:
@@ -265,7 +316,24 @@ def run(
 
 
 # Errors a rank raises because another rank failed first.
-_CONSEQUENCES = ("HvdlikeInternalError", "HorovodInternalError")
+CONSEQUENCES = ("HvdlikeInternalError", "HorovodInternalError")
+
+
+def raise_outcome(rank: int, host: str, outcome: dict) -> None:
+    """Raise the :class:`RankError` for a rank whose ``fn`` raised."""
+    error = RankError(
+        f"rank {rank} (host {host}) raised {outcome['type']}: {outcome['message']}\n"
+        f"{outcome['traceback']}".rstrip(),
+        rank, host, outcome["traceback"])
+    raise error from outcome.get("exception")
+
+
+def first_cause(outcomes: Dict[int, dict]) -> Optional[int]:
+    """The rank to blame among failed outcomes: one that raised something other
+    than a consequence of another rank's failure, else the first failed (None: none)."""
+    failed = [rank for rank in sorted(outcomes) if not outcomes[rank]["ok"]]
+    causes = [rank for rank in failed if outcomes[rank]["type"] not in CONSEQUENCES]
+    return (causes or failed or [None])[0]
 
 
 def _collect(job: Job, result, blobs) -> List[Any]:
@@ -285,18 +353,12 @@ def _collect(job: Job, result, blobs) -> List[Any]:
     # A rank that lost its peers raises HvdlikeInternalError ("rank 1 died ..."):
     # a consequence. Name the cause instead: a rank that raised something else,
     # else a rank that ended without any result.
-    causes = [rank for rank in failed if outcomes[rank]["type"] not in _CONSEQUENCES]
+    causes = [rank for rank in failed if outcomes[rank]["type"] not in CONSEQUENCES]
     silent = [w for w in result.workers if w.rank not in outcomes]
     if failed and (causes or not silent):
         failed = causes + [rank for rank in failed if rank not in causes]
         rank = failed[0]
-        outcome = outcomes[rank]
-        host = job.placements[rank].host
-        error = RankError(
-            f"rank {rank} (host {host}) raised {outcome['type']}: {outcome['message']}\n"
-            f"{outcome['traceback']}".rstrip(),
-            rank, host, outcome["traceback"])
-        raise error from outcome.get("exception")
+        raise_outcome(rank, job.placements[rank].host, outcomes[rank])
     if failed or result.failure is not None or len(outcomes) < len(job.placements):
         if silent and (failed or result.failure is None or result.failure.rank in outcomes):
             worker = silent[0]

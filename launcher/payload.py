@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from typing import Any
+from typing import Any, Optional
 
 PAYLOAD_KEY = "launcher/run/payload"
 # The largest payload or result the store carries for hvdlike.run; a reader
@@ -30,8 +30,16 @@ class PayloadError(Exception):
     """A blob failed authentication or is malformed: it was not unpickled."""
 
 
-def result_key(rank: int) -> str:
-    return f"launcher/run/result/{rank}"
+def result_key(rank: int, generation: Optional[int] = None) -> str:
+    """Where rank ``rank`` files its outcome (per generation in an elastic job)."""
+    if generation is None:
+        return f"launcher/run/result/{rank}"
+    return f"launcher/run/result/{generation}/{rank}"
+
+
+def result_purpose(rank: int, generation: Optional[int] = None) -> str:
+    """What an outcome is sealed for: a blob moved to another key does not unseal."""
+    return f"result/{rank}" if generation is None else f"result/{generation}/{rank}"
 
 
 def _mac(secret: str, purpose: str, data: bytes) -> bytes:

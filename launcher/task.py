@@ -10,37 +10,81 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 import sys
 import traceback
 
 from hvdlike.core.topology import (
-    ENV_JOB_SECRET, ENV_RANK, ENV_SIZE, ENV_STORE_ADDR, ENV_STORE_PORT,
+    ENV_HOSTNAME, ENV_JOB_SECRET, ENV_RANK, ENV_SIZE, ENV_STORE_ADDR, ENV_STORE_PORT,
 )
 
 from .payload import (
-    MAX_BLOB_BYTES, PAYLOAD_KEY, PayloadError, get, put, result_key, seal, unseal,
+    MAX_BLOB_BYTES, PAYLOAD_KEY, PayloadError, get, put, result_key, result_purpose, seal,
+    unseal,
 )
 
 REFUSED = 3
 LOADING_ENV = "HVDLIKE_RUN_LOADING"  # set while this rank unpickles its function
+# Under ``hvdlike.run(..., use_mpi=True)`` mpirun starts the ranks: the launcher's
+# store is named by these (not the job's own variables, which would make the
+# runtime inside ``fn`` think hvdlike-run started it); both are removed from the
+# environment before ``fn`` runs.
+RUN_STORE_ENV = "HVDLIKE_RUN_STORE"
+RUN_SECRET_ENV = "HVDLIKE_RUN_SECRET"
 
 
-def _store(timeout_seconds: float):
+def _store(addr: str, port: int, size: int, secret: str, timeout_seconds: float):
     import torch.distributed as dist
 
     from hvdlike.core.store_auth import AuthenticatedStore
 
-    store = dist.TCPStore(
-        os.environ[ENV_STORE_ADDR], int(os.environ[ENV_STORE_PORT]),
-        int(os.environ[ENV_SIZE]), False,
-        timeout=datetime.timedelta(seconds=timeout_seconds),
-    )
-    return AuthenticatedStore(store, os.environ[ENV_JOB_SECRET], MAX_BLOB_BYTES)
+    store = dist.TCPStore(addr, port, size, False,
+                          timeout=datetime.timedelta(seconds=timeout_seconds))
+    return AuthenticatedStore(store, secret, MAX_BLOB_BYTES)
+
+
+def _placement():
+    """``(secret, rank, store address, port, size)`` of this rank, from hvdlike-run's
+    variables or, under mpirun, from MPI's and the launcher's ``HVDLIKE_RUN_*``."""
+    via = os.environ.pop(RUN_STORE_ENV, None)
+    if via is None:
+        return (os.environ.get(ENV_JOB_SECRET, ""), int(os.environ.get(ENV_RANK, "0")),
+                os.environ.get(ENV_STORE_ADDR, ""), int(os.environ.get(ENV_STORE_PORT, "0")),
+                int(os.environ.get(ENV_SIZE, "1")))
+    from hvdlike.core.mpi_bootstrap import _MPI_FLAVOURS
+
+    secret = os.environ.pop(RUN_SECRET_ENV, "")
+    addr, _, port = via.rpartition(":")
+    for _name, rank_var, size_var in _MPI_FLAVOURS:
+        if rank_var in os.environ:
+            return (secret, int(os.environ[rank_var]), addr, int(port),
+                    int(os.environ.get(size_var, "1")))
+    return secret, 0, addr, int(port), 1
+
+
+def _result_place(rank: int):
+    """``(rank, generation)`` to file the outcome under: in an elastic job the
+    rank of the generation this process ended in (re-forms renumber ranks)."""
+    from hvdlike.core.elastic.protocol import ENV_GENERATION
+
+    generation = os.environ.get(ENV_GENERATION)
+    if not generation:
+        return rank, None
+    return int(os.environ.get(ENV_RANK, rank)), int(generation)
 
 
 def _outcome(fn, args, kwargs):
     try:
         return {"ok": True, "value": fn(*args, **(kwargs or {}))}
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            return {"ok": False, "type": "SystemExit", "traceback": traceback.format_exc(),
+                    "message": f"fn called sys.exit({exc.code!r})"}
+        # Status 0: this process left the job (an elastic rank with no seat in the
+        # newest generation, or a script's own sys.exit()): no result, no failure.
+        return {"ok": False, "left": True, "type": "SystemExit", "traceback": "",
+                "message": "fn ended with sys.exit(0) (the process left the job) "
+                           "without returning a result"}
     except BaseException as exc:  # noqa: BLE001 - every failure goes back to the caller
         outcome = {"ok": False, "type": type(exc).__name__, "message": str(exc),
                    "traceback": traceback.format_exc()}
@@ -55,8 +99,7 @@ def _outcome(fn, args, kwargs):
 
 
 def main() -> int:
-    secret = os.environ.get(ENV_JOB_SECRET, "")
-    rank = int(os.environ.get(ENV_RANK, "0"))
+    secret, rank, addr, port, size = _placement()
     from hvdlike.core import config
 
     from hvdlike.core.job_secret import StoreTamperedError
@@ -64,7 +107,7 @@ def main() -> int:
     if not secret:
         sys.stderr.write(f"hvdlike.run: rank {rank} has no job secret; refusing to run\n")
         return REFUSED
-    store = _store(config.load(os.environ).start_timeout)
+    store = _store(addr, port, size, secret, config.load(os.environ).start_timeout)
     try:
         # Unpickling imports the modules fn and its arguments come from; one that
         # calls hvdlike.run at import time (no __main__ guard) must not start a
@@ -84,8 +127,11 @@ def main() -> int:
                               f"rank", "traceback": traceback.format_exc()}
     else:
         outcome = _outcome(fn, args, kwargs)
+    rank, generation = _result_place(rank)
+    outcome["host"] = os.environ.get(ENV_HOSTNAME) or socket.gethostname()
+    purpose = result_purpose(rank, generation)
     try:
-        blob = seal(secret, f"result/{rank}", outcome)
+        blob = seal(secret, purpose, outcome)
         if len(blob) > MAX_BLOB_BYTES:
             raise PayloadError(f"it pickles to {len(blob)} bytes, more than the "
                                f"{MAX_BLOB_BYTES} bytes hvdlike.run carries")
@@ -94,9 +140,9 @@ def main() -> int:
         outcome = {"ok": False, "type": type(exc).__name__,
                    "message": f"the return value of rank {rank} {what}: {exc}",
                    "traceback": ""}
-        blob = seal(secret, f"result/{rank}", outcome)
-    put(store, result_key(rank), blob)
-    return 0 if outcome["ok"] else 1
+        blob = seal(secret, purpose, outcome)
+    put(store, result_key(rank, generation), blob)
+    return 0 if outcome["ok"] or outcome.get("left") else 1
 
 
 if __name__ == "__main__":

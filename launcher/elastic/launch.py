@@ -41,6 +41,24 @@ def settings_from_flags(np, min_np, max_np, discovery_script, slots_per_host, re
     return validate(settings)
 
 
+def discovery_for(config: LaunchConfig, settings: ElasticSettings, warn):
+    """The job's host source, run once, and ``config`` placed on what it found.
+
+    Raises:
+        LaunchError: the first discovery failed or found no host.
+    """
+    if settings.discovery_script:
+        source = ScriptDiscovery(settings.discovery_script, settings.slots_per_host)
+    else:
+        source = FixedDiscovery(config.hosts)
+    discovery = LastGood(source, warn=lambda text: warn(text))
+    hosts = discovery.find()  # the first run's failure is the launcher's error
+    if not hosts:
+        raise LaunchError("host discovery found no hosts to start on")
+    total = sum(h.slots for h in hosts)
+    return discovery, dataclasses.replace(config, hosts=hosts, np=min(settings.np, total))
+
+
 def run_elastic(config: LaunchConfig, settings: ElasticSettings, say) -> int:
     """Run an elastic job; return the launcher's exit status.
 
@@ -50,16 +68,7 @@ def run_elastic(config: LaunchConfig, settings: ElasticSettings, say) -> int:
     from ..job import Job
     from .driver import ElasticDriver
 
-    if settings.discovery_script:
-        source = ScriptDiscovery(settings.discovery_script, settings.slots_per_host)
-    else:
-        source = FixedDiscovery(config.hosts)
-    discovery = LastGood(source, warn=lambda text: say(text))
-    hosts = discovery.find()  # the first run's failure is the launcher's error
-    if not hosts:
-        raise LaunchError("host discovery found no hosts to start on")
-    total = sum(h.slots for h in hosts)
-    config = dataclasses.replace(config, hosts=hosts, np=min(settings.np, total))
+    discovery, config = discovery_for(config, settings, say)
     job = Job(config)
     if config.dry_run:
         from ..job import print_dry_run

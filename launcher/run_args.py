@@ -1,0 +1,191 @@
+"""The arguments of ``hvdlike.run`` -- hvdlike's own and ``horovod.run``'s -- as one
+:class:`~.launch_config.LaunchConfig`.
+
+``horovod.run(func, args, kwargs, num_proc, min_num_proc, max_num_proc, slots,
+reset_limit, cooldown_range, hosts, hostfile, host_discovery_script, start_timeout,
+ssh_port, ssh_identity_file, disable_cache, output_filename, verbose, use_gloo,
+use_mpi, mpi_args, network_interface(s), executable, np, min_np, max_np)`` calls
+run unchanged: each argument means what the ``hvdlike-run`` flag of the same name
+means (see :mod:`.cli`), and the same combinations are refused.
+"""
+
+from __future__ import annotations
+
+import operator
+import shlex
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+
+from .errors import LaunchError
+from .hosts import HostSlots, parse_hosts, read_hostfile
+
+
+def _count(value: Any, name: str, minimum: int = 1) -> Optional[int]:
+    if value is None:
+        return None
+    try:
+        count = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        count = None
+    if count is None:
+        raise LaunchError(f"hvdlike.run: {name} must be an int, got {value!r} "
+                          f"({type(value).__name__})")
+    if count < minimum:
+        raise LaunchError(f"hvdlike.run: {name} {count} is not valid: expected at least "
+                          f"{minimum}")
+    return count
+
+
+def _one_of(name: str, value: Any, alias: str, other: Any) -> Any:
+    """``value`` or its older name's ``other``; both given must agree."""
+    if value is not None and other is not None and value != other:
+        raise LaunchError(f"hvdlike.run: {name}={value!r} and {alias}={other!r} disagree; "
+                          f"pass one of them")
+    return value if value is not None else other
+
+
+def _text(value: Any, name: str) -> Optional[str]:
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise LaunchError(f"hvdlike.run: {name} must be a str, got {type(value).__name__}")
+    if not value.strip():
+        raise LaunchError(f"hvdlike.run: {name} is empty")
+    return value
+
+
+def interface(network_interface: Any, network_interfaces: Any) -> str:
+    """The interface from ``network_interface`` (a name, or Horovod's older
+    comma-separated list) or ``network_interfaces`` (a list); the first one named."""
+    if network_interface and network_interfaces:
+        raise LaunchError("hvdlike.run: pass network_interface or network_interfaces, not both")
+    if network_interfaces:
+        if isinstance(network_interfaces, str):
+            names = network_interfaces.split(",")
+        else:
+            try:
+                names = list(network_interfaces)
+            except TypeError:
+                raise LaunchError("hvdlike.run: network_interfaces must be a list of interface "
+                                  f"names, got {type(network_interfaces).__name__}") from None
+        if not all(isinstance(n, str) for n in names):
+            raise LaunchError("hvdlike.run: network_interfaces must be a list of interface "
+                              f"names, got {names!r}")
+    elif network_interface:
+        if not isinstance(network_interface, str):
+            raise LaunchError("hvdlike.run: network_interface must be a str, got "
+                              f"{type(network_interface).__name__}")
+        names = network_interface.split(",")
+    else:
+        return ""
+    names = [n.strip() for n in names if n.strip()]
+    if not names:
+        raise LaunchError("hvdlike.run: network_interfaces names no interface")
+    return names[0]
+
+
+def host_list(hosts: Union[None, str, Sequence[HostSlots]], hostfile: Any,
+              np: Optional[int]) -> List[HostSlots]:
+    """Hosts from ``hosts`` (``"h1:2,h2:2"`` or :class:`HostSlots`) or ``hostfile``;
+    ``localhost:np`` when neither is given."""
+    if hosts is not None and hostfile is not None:
+        raise LaunchError("hvdlike.run: pass hosts or hostfile, not both")
+    if hostfile is not None:
+        return read_hostfile(_text(hostfile, "hostfile"))
+    if hosts is None:
+        return [HostSlots("localhost", np if np is not None else 2)]
+    if isinstance(hosts, str):
+        return parse_hosts(hosts)
+    listed = list(hosts)
+    if not all(isinstance(h, HostSlots) for h in listed):
+        raise LaunchError("hvdlike.run: hosts must be a 'host:slots,...' string or a list of "
+                          "HostSlots")
+    return listed
+
+
+def mpi_arguments(mpi_args: Any) -> List[str]:
+    """``mpi_args`` as mpirun arguments: one string (as in Horovod) or a list."""
+    if mpi_args is None:
+        return []
+    if isinstance(mpi_args, str):
+        try:
+            return shlex.split(mpi_args)
+        except ValueError as exc:
+            raise LaunchError(f"hvdlike.run: mpi_args {mpi_args!r} is not valid: {exc}") from None
+    if isinstance(mpi_args, (list, tuple)) and all(isinstance(a, str) for a in mpi_args):
+        return list(mpi_args)
+    raise LaunchError(f"hvdlike.run: mpi_args must be a str or a list of str, got "
+                      f"{type(mpi_args).__name__}")
+
+
+def elastic_settings(np: Optional[int], min_np: Optional[int], max_np: Optional[int],
+                     discovery_script: Optional[str], slots: Optional[int],
+                     reset_limit: Optional[int], cooldown_range: Any,
+                     elastic_timeout: Optional[float]):
+    """The elastic settings when any elastic argument is given, else None (and then
+    none of the elastic-only arguments may be)."""
+    from .elastic.launch import is_elastic, settings_from_flags
+
+    if not is_elastic(min_np, max_np, discovery_script):
+        for name, value in (("slots", slots), ("reset_limit", reset_limit),
+                            ("cooldown_range", cooldown_range),
+                            ("elastic_timeout", elastic_timeout)):
+            if value is not None:
+                raise LaunchError(f"hvdlike.run: {name} needs an elastic job (min_num_proc, "
+                                  f"max_num_proc or host_discovery_script)")
+        return None
+    if cooldown_range is not None:
+        try:
+            lo, hi = (float(v) for v in cooldown_range)
+        except (TypeError, ValueError):
+            raise LaunchError(f"hvdlike.run: cooldown_range must be (min seconds, max "
+                              f"seconds), got {cooldown_range!r}") from None
+        cooldown_range = (lo, hi)
+    if elastic_timeout is not None:
+        try:
+            elastic_timeout = float(elastic_timeout)
+        except (TypeError, ValueError):
+            raise LaunchError(f"hvdlike.run: elastic_timeout must be seconds, got "
+                              f"{elastic_timeout!r}") from None
+    return settings_from_flags(np, min_np, max_np, discovery_script, slots,
+                               _count(reset_limit, "reset_limit", 0), elastic_timeout,
+                               cooldown_range)
+
+
+def horovod_arguments(num_proc, np, min_num_proc, min_np, max_num_proc, max_np,
+                      executable, python) -> Dict[str, Any]:
+    """Horovod's names and their older aliases (``np``, ``min_np``, ``max_np``) reconciled."""
+    if executable is not None and python is not None and executable != python:
+        raise LaunchError(f"hvdlike.run: executable={executable!r} and python={python!r} "
+                          f"disagree; pass one of them")
+    def either(name, value, alias, other):  # checked under the name the caller used
+        return _count(_one_of(name, value, alias, other), name if value is not None else alias)
+
+    return {
+        "np": either("num_proc", num_proc, "np", np),
+        "min_np": either("min_num_proc", min_num_proc, "min_np", min_np),
+        "max_np": either("max_num_proc", max_num_proc, "max_np", max_np),
+        "python": _text(executable if executable is not None else python,
+                        "executable" if executable is not None else "python"),
+    }
+
+
+def engine(use_gloo: Any, use_mpi: Any) -> bool:
+    """Whether the ranks start under mpirun (``use_mpi``); Gloo is the default."""
+    if use_gloo and use_mpi:
+        raise LaunchError("hvdlike.run: use_gloo and use_mpi cannot both be set")
+    return bool(use_mpi)
+
+
+def slots_total(hosts: Sequence[HostSlots]) -> int:
+    return sum(h.slots for h in hosts)
+
+
+def checked_knobs(knobs: Optional[Mapping[str, Any]], disable_cache: Any) -> Dict[str, Any]:
+    """``knobs`` plus Horovod's ``disable_cache`` (no response cache, as the flag)."""
+    merged: Dict[str, Any] = dict(knobs) if isinstance(knobs, Mapping) else {}
+    if knobs is not None and not isinstance(knobs, Mapping):
+        raise TypeError(f"hvdlike.run: knobs must be a mapping of knob field to value, got "
+                        f"{type(knobs).__name__}")
+    if disable_cache:
+        merged.setdefault("cache_capacity", 0)
+    return merged

@@ -1,0 +1,150 @@
+"""hvdlike.run's Horovod arguments: how each maps onto the launch, and what is refused
+before anything starts."""
+
+import os
+
+import pytest
+
+import hvdlike
+from hvdlike.launcher import run_args
+from hvdlike.launcher.errors import LaunchError
+from hvdlike.launcher.hosts import HostSlots
+
+
+def _noop():
+    return None
+
+
+def test_num_proc_and_its_older_name_np_are_one_setting():
+    got = run_args.horovod_arguments(4, None, None, None, None, None, None, None)
+    assert got == {"np": 4, "min_np": None, "max_np": None, "python": None}
+    assert run_args.horovod_arguments(None, 3, None, 2, None, 5, None, None)["np"] == 3
+    got = run_args.horovod_arguments(3, 3, 2, 2, 6, None, None, None)
+    assert (got["np"], got["min_np"], got["max_np"]) == (3, 2, 6)
+    with pytest.raises(LaunchError, match=r"num_proc=4 and np=2 disagree"):
+        run_args.horovod_arguments(4, 2, None, None, None, None, None, None)
+    with pytest.raises(LaunchError, match=r"min_num_proc=1 and min_np=2 disagree"):
+        run_args.horovod_arguments(None, None, 1, 2, None, None, None, None)
+
+
+def test_counts_are_checked_under_the_name_the_caller_used():
+    with pytest.raises(LaunchError, match=r"num_proc must be an int, got '2' \(str\)"):
+        run_args.horovod_arguments("2", None, None, None, None, None, None, None)
+    with pytest.raises(LaunchError, match=r"hvdlike.run: np must be an int, got True"):
+        run_args.horovod_arguments(None, True, None, None, None, None, None, None)
+    with pytest.raises(LaunchError, match=r"max_np 0 is not valid: expected at least 1"):
+        run_args.horovod_arguments(None, None, None, None, None, 0, None, None)
+
+
+def test_executable_is_the_python_that_runs_the_ranks():
+    assert run_args.horovod_arguments(None, 2, None, None, None, None, "/x/python",
+                                      None)["python"] == "/x/python"
+    with pytest.raises(LaunchError, match=r"executable='/a' and python='/b' disagree"):
+        run_args.horovod_arguments(None, 2, None, None, None, None, "/a", "/b")
+    with pytest.raises(LaunchError, match=r"executable is empty"):
+        run_args.horovod_arguments(None, 2, None, None, None, None, " ", None)
+
+
+def test_use_gloo_and_use_mpi_choose_the_engine():
+    assert run_args.engine(None, None) is False
+    assert run_args.engine(True, False) is False
+    assert run_args.engine(False, True) is True
+    with pytest.raises(LaunchError, match="use_gloo and use_mpi cannot both be set"):
+        run_args.engine(True, True)
+
+
+def test_network_interfaces_as_a_list_or_horovods_older_comma_string():
+    assert run_args.interface("", None) == ""
+    assert run_args.interface("eth1", None) == "eth1"
+    assert run_args.interface("eth1,eth2", None) == "eth1"
+    assert run_args.interface(None, ["lo", "eth0"]) == "lo"
+    assert run_args.interface(None, "eth3") == "eth3"
+    with pytest.raises(LaunchError, match="network_interface or network_interfaces, not both"):
+        run_args.interface("eth0", ["eth1"])
+    with pytest.raises(LaunchError, match=r"list of interface names, got \[1\]"):
+        run_args.interface(None, [1])
+    with pytest.raises(LaunchError, match="names no interface"):
+        run_args.interface(None, [" "])
+    with pytest.raises(LaunchError, match="network_interfaces must be a list"):
+        run_args.interface(None, 5)
+
+
+def test_hosts_hostfile_or_localhost(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("127.0.0.1 slots=2\n127.0.0.2 slots=1\n")
+    assert run_args.host_list(None, str(hostfile), None) == [
+        HostSlots("127.0.0.1", 2), HostSlots("127.0.0.2", 1)]
+    assert run_args.host_list("a:1,b:3", None, None) == [HostSlots("a", 1), HostSlots("b", 3)]
+    assert run_args.host_list(None, None, 3) == [HostSlots("localhost", 3)]
+    assert run_args.host_list(None, None, None) == [HostSlots("localhost", 2)]
+    with pytest.raises(LaunchError, match="pass hosts or hostfile, not both"):
+        run_args.host_list("a:1", str(hostfile), None)
+    with pytest.raises(LaunchError, match="list of HostSlots"):
+        run_args.host_list([("a", 1)], None, None)
+    with pytest.raises(LaunchError):
+        run_args.host_list(None, str(tmp_path / "missing"), None)
+
+
+def test_mpi_args_as_one_string_or_a_list():
+    assert run_args.mpi_arguments(None) == []
+    assert run_args.mpi_arguments("-x FOO --bind-to 'core'") == ["-x", "FOO", "--bind-to", "core"]
+    assert run_args.mpi_arguments(["-iface", "eth1"]) == ["-iface", "eth1"]
+    with pytest.raises(LaunchError, match="mpi_args .* is not valid"):
+        run_args.mpi_arguments("-x 'unbalanced")
+    with pytest.raises(LaunchError, match="mpi_args must be a str or a list of str"):
+        run_args.mpi_arguments(7)
+
+
+def test_elastic_arguments_make_an_elastic_job_and_need_one():
+    assert run_args.elastic_settings(2, None, None, None, None, None, None, None) is None
+    got = run_args.elastic_settings(2, 1, 4, None, 2, 3, (1, 5), 30)
+    assert (got.np, got.min_np, got.max_np, got.slots_per_host, got.reset_limit,
+            got.cooldown_range, got.elastic_timeout) == (2, 1, 4, 2, 3, (1.0, 5.0), 30.0)
+    for name, value in (("slots", 2), ("reset_limit", 1), ("cooldown_range", (1, 2)),
+                        ("elastic_timeout", 9)):
+        kwargs = {"slots": None, "reset_limit": None, "cooldown_range": None,
+                  "elastic_timeout": None, name: value}
+        with pytest.raises(LaunchError, match=f"{name} needs an elastic job"):
+            run_args.elastic_settings(2, None, None, None, kwargs["slots"],
+                                      kwargs["reset_limit"], kwargs["cooldown_range"],
+                                      kwargs["elastic_timeout"])
+    with pytest.raises(LaunchError, match="cooldown_range must be"):
+        run_args.elastic_settings(2, 1, None, None, None, None, "soon", None)
+    with pytest.raises(LaunchError, match="reset_limit -1 is not valid"):
+        run_args.elastic_settings(2, 1, None, None, None, -1, None, None)
+    with pytest.raises(LaunchError, match="max-np 1 is less than --min-np 2"):
+        run_args.elastic_settings(2, 2, 1, None, None, None, None, None)
+
+
+def test_disable_cache_turns_the_response_cache_off():
+    assert run_args.checked_knobs(None, True) == {"cache_capacity": 0}
+    assert run_args.checked_knobs({"cycle_time": 1}, None) == {"cycle_time": 1}
+    with pytest.raises(TypeError, match="knobs must be a mapping"):
+        run_args.checked_knobs([("cycle_time", 1)], None)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(num_proc=2, np=3), "num_proc=2 and np=3 disagree"),
+    (dict(np=2, use_gloo=True, use_mpi=True), "use_gloo and use_mpi cannot both be set"),
+    (dict(num_proc=2, min_num_proc=2, use_mpi=True), "use_mpi cannot run an elastic job"),
+    (dict(np=2, use_mpi=True, output_filename="logs"), "output_filename applies to"),
+    (dict(np=2, host_discovery_script="./find.sh", hosts="a:1"),
+     "host_discovery_script and hosts/hostfile cannot be used together"),
+    (dict(np=2, slots=2), "slots needs an elastic job"),
+    (dict(np=2, output_filename=""), "output_filename is empty"),
+    (dict(np=2, hosts="a:1", hostfile="f"), "pass hosts or hostfile, not both"),
+])
+def test_bad_combinations_are_refused_before_anything_starts(kwargs, match):
+    before = set(os.listdir("/proc"))
+    with pytest.raises(LaunchError, match=match):
+        hvdlike.run(_noop, **kwargs)
+    started = [p for p in set(os.listdir("/proc")) - before if p.isdigit()]
+    children = []
+    for pid in started:
+        try:
+            with open(f"/proc/{pid}/stat") as handle:
+                if int(handle.read().rsplit(")", 1)[1].split()[1]) == os.getpid():
+                    children.append(pid)
+        except OSError:
+            pass
+    assert not children, children
