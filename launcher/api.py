@@ -263,10 +263,6 @@ def run(
     if np is None and elastic is None:
         np = run_args.slots_total(host_slots)
     output_dir = run_args._text(output_filename, "output_filename")
-    if output_dir is not None and mpi:
-        raise LaunchError("hvdlike.run: output_filename applies to hvdlike's own launch; "
-                          "under use_mpi pass mpirun's option in mpi_args (Open MPI: "
-                          "'--output-filename DIR')")
     extra_mpi = run_args.mpi_arguments(mpi_args)
     config = LaunchConfig(
         command=[python, "-m", TASK_MODULE],

@@ -75,6 +75,7 @@ def mpirun_command(
     extra: Sequence[str] = (),
     as_root: bool = False,
     mpirun: str = "mpirun",
+    output_dir: Optional[str] = None,
 ) -> List[str]:
     """The ``mpirun`` command for ``flavour``.
 
@@ -90,6 +91,9 @@ def mpirun_command(
         extra: the user's extra mpirun arguments, inserted before the command.
         as_root: add Open MPI's ``--allow-run-as-root``.
         mpirun: the mpirun executable.
+        output_dir: write each rank's output to ``<dir>/rank.<N>/stdout`` and
+            ``stderr`` instead of the terminal (Hydra's file patterns; Open MPI's
+            own option lays files out differently and is left to ``extra``).
     """
     if flavour == OPEN_MPI:
         argv = [mpirun]
@@ -105,6 +109,10 @@ def mpirun_command(
         argv = [mpirun, "-np", str(np), "-hosts", _host_list(hosts), "-prepend-rank", "-genvall"]
         if ssh_wrapper:
             argv += ["-launcher", "ssh", "-launcher-exec", ssh_wrapper]
+        if output_dir:
+            folder = os.path.abspath(output_dir)
+            argv += ["-outfile-pattern", os.path.join(folder, "rank.%r", "stdout"),
+                     "-errfile-pattern", os.path.join(folder, "rank.%r", "stderr")]
     else:
         raise LaunchError(f"--mpi: unsupported MPI flavour {flavour!r}")
     return argv + list(extra) + list(command)
@@ -138,13 +146,27 @@ def run_with_mpirun(config: LaunchConfig, np: int, dry_run: bool = False,
     names = sorted(k for k in env if rank_env.forwardable(k))
     remote = any(h.host not in ("localhost", "127.0.0.1") for h in config.hosts)
     ssh_args = ssh_options(config.ssh) if remote else []
+    output_dir = config.output_dir
+    if output_dir and flavour == OPEN_MPI:
+        sys.stderr.write("hvdlike-run: --output-filename is not applied under Open MPI's mpirun, "
+                         "whose own option lays files out differently; pass it in --mpi-args "
+                         "(--mpi-args=\"--output-filename DIR\")\n")
+        output_dir = None
+    elif output_dir and not dry_run:
+        sys.stderr.write(f"hvdlike-run: under MPICH's mpirun the ranks' output goes to "
+                         f"{output_dir}/rank.N/stdout and stderr only\n")
+        try:
+            for rank in range(np):
+                os.makedirs(os.path.join(output_dir, f"rank.{rank}"), exist_ok=True)
+        except OSError as exc:
+            raise LaunchError(f"--output-filename {output_dir}: {exc.strerror or exc}") from None
     with tempfile.TemporaryDirectory(prefix="hvdlike-mpi-") as folder:
         wrapper = _write_ssh_wrapper(folder, ssh_args) if ssh_args and flavour == MPICH else None
         argv = mpirun_command(flavour, np, config.hosts, config.command, names,
                               ssh_args=ssh_args if flavour == OPEN_MPI else (),
                               ssh_wrapper=wrapper, extra=config.mpi_args,
                               as_root=as_root,
-                              mpirun=mpirun)
+                              mpirun=mpirun, output_dir=output_dir)
         if dry_run or config.verbose:
             verbose(shlex.join(argv))
         if dry_run:

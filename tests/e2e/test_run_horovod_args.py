@@ -143,3 +143,18 @@ def _raises_everywhere():
 def test_an_elastic_run_whose_function_raises_names_the_error():
     with pytest.raises(RankError, match=r"raised RuntimeError: bad configuration"):
         hvdlike.run(_raises_everywhere, num_proc=2, min_num_proc=2, hosts="localhost:2")
+
+
+def _says_hello():
+    print(f"hello from MPI rank {os.environ['PMI_RANK']}", flush=True)
+    return True
+
+
+def test_use_mpi_with_output_filename_writes_each_ranks_output(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", engines.mpi_env("mpich")["PATH"])
+    logs = tmp_path / "logs"
+    assert hvdlike.run(_says_hello, num_proc=2, use_mpi=True,
+                       output_filename=str(logs)) == [True, True]
+    for rank in (0, 1):
+        with open(logs / f"rank.{rank}" / "stdout") as handle:
+            assert f"hello from MPI rank {rank}" in handle.read()

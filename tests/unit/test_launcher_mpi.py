@@ -63,3 +63,14 @@ def test_allow_run_as_root_not_repeated_when_user_gave_it():
     argv = mpirun_command(OPEN_MPI, 2, HOSTS, ["python"], [], extra=["--allow-run-as-root"],
                           as_root=True)
     assert argv.count("--allow-run-as-root") == 1
+
+
+def test_output_filename_becomes_hydras_file_patterns():
+    argv = mpirun_command(MPICH, 2, [HostSlots("localhost", 2)], ["python"], [],
+                          output_dir="/logs/run1")
+    at = argv.index("-outfile-pattern")
+    assert argv[at:at + 4] == ["-outfile-pattern", "/logs/run1/rank.%r/stdout",
+                               "-errfile-pattern", "/logs/run1/rank.%r/stderr"]
+    assert argv.index("-errfile-pattern") < argv.index("python")
+    assert "-outfile-pattern" not in mpirun_command(OPEN_MPI, 2, [HostSlots("localhost", 2)],
+                                                    ["python"], [], output_dir="/logs")

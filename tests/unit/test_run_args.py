@@ -127,7 +127,6 @@ def test_disable_cache_turns_the_response_cache_off():
     (dict(num_proc=2, np=3), "num_proc=2 and np=3 disagree"),
     (dict(np=2, use_gloo=True, use_mpi=True), "use_gloo and use_mpi cannot both be set"),
     (dict(num_proc=2, min_num_proc=2, use_mpi=True), "use_mpi cannot run an elastic job"),
-    (dict(np=2, use_mpi=True, output_filename="logs"), "output_filename applies to"),
     (dict(np=2, host_discovery_script="./find.sh", hosts="a:1"),
      "host_discovery_script and hosts/hostfile cannot be used together"),
     (dict(np=2, slots=2), "slots needs an elastic job"),
