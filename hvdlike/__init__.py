@@ -44,7 +44,7 @@ def __dir__():
 
 def run(fn, args=(), kwargs=None, np=None, hosts=None, **options):
     """Run ``fn(*args, **kwargs)`` on ``np`` ranks (default: every slot of ``hosts``,
-    else 2) and return the per-rank results. Takes ``horovod.run``'s arguments too.
+    else 1, as in Horovod) and return the per-rank results. Takes ``horovod.run``'s arguments too.
 
     See :func:`hvdlike.launcher.api.run` for every option.
     """

@@ -195,7 +195,7 @@ def run(
         args: positional arguments for ``fn`` (the same on every rank).
         kwargs: keyword arguments for ``fn``.
         np: number of ranks (Horovod's ``num_proc``; default: every slot of
-            ``hosts``/``hostfile``, else 2).
+            ``hosts``/``hostfile``, else 1 as in Horovod).
         hosts: ``"host1:2,host2:2"`` or a list of :class:`HostSlots`; default
             ``localhost:np``.
         ssh_port: ssh port of remote hosts.

@@ -92,7 +92,7 @@ def host_list(hosts: Union[None, str, Sequence[HostSlots]], hostfile: Any,
     if hostfile is not None:
         return read_hostfile(_text(hostfile, "hostfile"))
     if hosts is None:
-        return [HostSlots("localhost", np if np is not None else 2)]
+        return [HostSlots("localhost", np if np is not None else 1)]
     if isinstance(hosts, str):
         return parse_hosts(hosts)
     listed = list(hosts)

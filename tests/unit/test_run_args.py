@@ -76,7 +76,7 @@ def test_hosts_hostfile_or_localhost(tmp_path):
         HostSlots("127.0.0.1", 2), HostSlots("127.0.0.2", 1)]
     assert run_args.host_list("a:1,b:3", None, None) == [HostSlots("a", 1), HostSlots("b", 3)]
     assert run_args.host_list(None, None, 3) == [HostSlots("localhost", 3)]
-    assert run_args.host_list(None, None, None) == [HostSlots("localhost", 2)]
+    assert run_args.host_list(None, None, None) == [HostSlots("localhost", 1)]  # as Horovod
     with pytest.raises(LaunchError, match="pass hosts or hostfile, not both"):
         run_args.host_list("a:1", str(hostfile), None)
     with pytest.raises(LaunchError, match="list of HostSlots"):
