@@ -219,9 +219,9 @@ def run(
             the ranks with ``mpirun``.
 
     Returns:
-        ``[fn result on rank 0, rank 1, ...]``; for an elastic job, the results
-        of the ranks of its last generation (Horovod returns the first
-        ``min_num_proc`` of them).
+        ``[fn result on rank 0, rank 1, ...]``; for an elastic job, those of the
+        newest generation every rank of which returned one (Horovod returns the
+        first ``min_num_proc`` of them).
 
     Raises:
         RankError: ``fn`` raised on a rank (message names the rank, the exception
@@ -248,12 +248,12 @@ def run(
     environ.update(_check_env(env))
     environ.setdefault("PYTHONPATH", _user_path())
     knob_env = _knob_env(run_args.checked_knobs(knobs, disable_cache))
-    discovery = run_args._text(host_discovery_script, "host_discovery_script")
+    discovery = run_args.text_arg(host_discovery_script, "host_discovery_script")
     if discovery is not None and (hosts is not None or hostfile is not None):
         raise LaunchError("hvdlike.run: host_discovery_script and hosts/hostfile cannot be "
                           "used together")
     elastic = run_args.elastic_settings(np, counts["min_np"], counts["max_np"], discovery,
-                                        run_args._count(slots, "slots"), reset_limit,
+                                        run_args.count_arg(slots, "slots"), reset_limit,
                                         cooldown_range, elastic_timeout)
     if elastic is not None and mpi:
         raise LaunchError("hvdlike.run: use_mpi cannot run an elastic job (min_num_proc, "
@@ -262,8 +262,10 @@ def run(
                   run_args.host_list(hosts, hostfile, np if elastic is None else elastic.np))
     if np is None and elastic is None:
         np = run_args.slots_total(host_slots)
-    output_dir = run_args._text(output_filename, "output_filename")
+    output_dir = run_args.text_arg(output_filename, "output_filename")
     extra_mpi = run_args.mpi_arguments(mpi_args)
+    if extra_mpi and not mpi:
+        sys.stderr.write("hvdlike.run: mpi_args applies with use_mpi=True only; ignored\n")
     config = LaunchConfig(
         command=[python, "-m", TASK_MODULE],
         hosts=host_slots,

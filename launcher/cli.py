@@ -296,6 +296,8 @@ def to_config(args: argparse.Namespace) -> LaunchConfig:
         mpi_args = shlex.split(args.mpi_args)
     except ValueError as exc:  # e.g. an unbalanced quote
         raise LaunchError(f"--mpi-args {args.mpi_args!r} is not valid: {exc}") from None
+    if mpi_args and not args.mpi:
+        sys.stderr.write("hvdlike-run: --mpi-args applies to --mpi launches only; ignored\n")
     try:
         mpi_args += shlex.split(args.binding_args) if args.mpi else []
     except ValueError as exc:

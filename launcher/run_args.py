@@ -19,7 +19,8 @@ from .errors import LaunchError
 from .hosts import HostSlots, parse_hosts, read_hostfile
 
 
-def _count(value: Any, name: str, minimum: int = 1) -> Optional[int]:
+def count_arg(value: Any, name: str, minimum: int = 1) -> Optional[int]:
+    """``value`` as an int of at least ``minimum`` (None stays None)."""
     if value is None:
         return None
     try:
@@ -43,7 +44,8 @@ def _one_of(name: str, value: Any, alias: str, other: Any) -> Any:
     return value if value is not None else other
 
 
-def _text(value: Any, name: str) -> Optional[str]:
+def text_arg(value: Any, name: str) -> Optional[str]:
+    """``value`` as a non-empty str (None stays None); a LaunchError naming ``name`` otherwise."""
     if value is None:
         return None
     if not isinstance(value, str):
@@ -90,7 +92,7 @@ def host_list(hosts: Union[None, str, Sequence[HostSlots]], hostfile: Any,
     if hosts is not None and hostfile is not None:
         raise LaunchError("hvdlike.run: pass hosts or hostfile, not both")
     if hostfile is not None:
-        return read_hostfile(_text(hostfile, "hostfile"))
+        return read_hostfile(text_arg(hostfile, "hostfile"))
     if hosts is None:
         return [HostSlots("localhost", np if np is not None else 1)]
     if isinstance(hosts, str):
@@ -147,7 +149,7 @@ def elastic_settings(np: Optional[int], min_np: Optional[int], max_np: Optional[
             raise LaunchError(f"hvdlike.run: elastic_timeout must be seconds, got "
                               f"{elastic_timeout!r}") from None
     return settings_from_flags(np, min_np, max_np, discovery_script, slots,
-                               _count(reset_limit, "reset_limit", 0), elastic_timeout,
+                               count_arg(reset_limit, "reset_limit", 0), elastic_timeout,
                                cooldown_range)
 
 
@@ -158,13 +160,13 @@ def horovod_arguments(num_proc, np, min_num_proc, min_np, max_num_proc, max_np,
         raise LaunchError(f"hvdlike.run: executable={executable!r} and python={python!r} "
                           f"disagree; pass one of them")
     def either(name, value, alias, other):  # checked under the name the caller used
-        return _count(_one_of(name, value, alias, other), name if value is not None else alias)
+        return count_arg(_one_of(name, value, alias, other), name if value is not None else alias)
 
     return {
         "np": either("num_proc", num_proc, "np", np),
         "min_np": either("min_num_proc", min_num_proc, "min_np", min_np),
         "max_np": either("max_num_proc", max_num_proc, "max_np", max_np),
-        "python": _text(executable if executable is not None else python,
+        "python": text_arg(executable if executable is not None else python,
                         "executable" if executable is not None else "python"),
     }
 

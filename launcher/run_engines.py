@@ -67,7 +67,8 @@ def _warn(text: str) -> None:
 
 
 def run_elastic_function(config: LaunchConfig, fn, args, kwargs) -> List[Any]:
-    """Run ``fn`` as an elastic job; the results of its last generation's ranks."""
+    """Run ``fn`` as an elastic job; the results of the newest generation whose every
+    rank returned one, in rank order."""
     from .api import _sealed_payload
     from .elastic.driver import ElasticDriver
     from .elastic.launch import discovery_for

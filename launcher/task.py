@@ -99,7 +99,12 @@ def _outcome(fn, args, kwargs):
 
 
 def main() -> int:
-    secret, rank, addr, port, size = _placement()
+    try:
+        secret, rank, addr, port, size = _placement()
+    except ValueError as exc:  # started by hand, or with its variables mangled
+        sys.stderr.write(f"hvdlike.run: this rank's launch variables are malformed ({exc}); "
+                         "refusing to run\n")
+        return REFUSED
     from hvdlike.core import config
 
     from hvdlike.core.job_secret import StoreTamperedError

@@ -206,3 +206,10 @@ def test_a_bad_config_file_is_a_one_line_error(tmp_path, capsys):
     assert len(err.splitlines()) == 1 and "fusion_treshold_mb" in err and "bad.yaml" in err
     assert cli.main(["-np", "1", "--config-file", "", "python", "x.py"]) == 2
     assert "--config-file is empty" in capsys.readouterr().err
+
+
+def test_mpi_args_without_mpi_are_reported_as_ignored(capsys):
+    _config("-np", "2", "--mpi-args=-v", "python", "x.py")
+    assert "--mpi-args applies to --mpi launches only; ignored" in capsys.readouterr().err
+    _config("--mpi", "-np", "2", "--mpi-args=-v", "python", "x.py")
+    assert "applies to --mpi launches only" not in capsys.readouterr().err

@@ -147,3 +147,15 @@ def test_bad_combinations_are_refused_before_anything_starts(kwargs, match):
         except OSError:
             pass
     assert not children, children
+
+
+def test_mpi_args_without_use_mpi_are_ignored_saying_so(capsys, monkeypatch):
+    # As in Horovod they only apply under mpirun; here the call goes on and says so.
+    # (Stopped right after the notice: the store is never started.)
+    def stop(*_args, **_kwargs):
+        raise RuntimeError("stopped before the launch")
+
+    monkeypatch.setattr("hvdlike.launcher.api.Job", stop)
+    with pytest.raises(RuntimeError, match="stopped before the launch"):
+        hvdlike.run(_noop, np=1, mpi_args="-x FOO")
+    assert "mpi_args applies with use_mpi=True only; ignored" in capsys.readouterr().err
