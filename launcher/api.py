@@ -10,9 +10,12 @@ may call ``hvdlike.torch.init()`` and use collectives.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
+from typing import (
+    Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union,
+)
 
 from hvdlike.core import config as core_config
 from hvdlike.core.errors import HvdlikeError
@@ -25,7 +28,8 @@ from .launch_config import LaunchConfig, SshOptions, effective_settings
 from .monitor import describe_exit
 from .task import LOADING_ENV, REFUSED
 from .payload import (
-    MAX_BLOB_BYTES, PAYLOAD_KEY, PayloadError, get, put, result_key, seal, unseal,
+    MAX_BLOB_BYTES, PAYLOAD_KEY, PayloadError, get, put, result_key, result_purpose, seal,
+    unseal,
 )
 
 TASK_MODULE = "hvdlike.launcher.task"
@@ -293,24 +297,45 @@ def run(
         from .run_engines import run_elastic_function
 
         return run_elastic_function(config, fn, args, kwargs)
+    with shipped(config, fn, args, kwargs) as (job, store):
+        result = job.run()
+        if result.interrupted:
+            raise KeyboardInterrupt(f"hvdlike.run interrupted ({result.interrupted})")
+        hosts = {p.rank: p.host for p in job.placements}
+        outcomes = gather(job, store, list(hosts), None, hosts.__getitem__)
+    return _collect(job, result, outcomes)
+
+
+@contextlib.contextmanager
+def shipped(config: LaunchConfig, fn, args, kwargs) -> Iterator[Tuple[Job, Any]]:
+    """The job of ``config``, entered (its store up), holding ``fn``'s sealed payload;
+    yields ``(job, store)``. The payload is sealed before anything starts, so what
+    cannot be shipped is refused first."""
     job = Job(config)
-    payload = _sealed_payload(job.secret, fn, args, kwargs)  # before any rank starts
+    payload = _sealed_payload(job.secret, fn, args, kwargs)
     with job:
         store = job.store.client(MAX_BLOB_BYTES)
         put(store, PAYLOAD_KEY, payload)
         del payload
-        result = job.run()
-        outcomes = {}
-        for placement in job.placements:
-            key = result_key(placement.rank)
-            if store.check([key]):
-                try:
-                    outcomes[placement.rank] = get(store, key)
-                except (HvdlikeError, PayloadError) as exc:  # never unpickled
-                    raise RankError(f"rank {placement.rank} returned a result that failed "
-                                    f"authentication: {exc}", placement.rank,
-                                    placement.host) from None
-    return _collect(job, result, outcomes)
+        yield job, store
+
+
+def gather(job: Job, store, ranks: List[int], generation: Optional[int],
+           host_of: Callable[[int], str]) -> Dict[int, dict]:
+    """The authenticated outcomes filed by ``ranks`` (of ``generation``); a blob that
+    fails authentication is a :class:`RankError` and is never unpickled."""
+    outcomes = {}
+    for rank in ranks:
+        key = result_key(rank, generation)
+        if not store.check([key]):
+            continue
+        try:
+            outcomes[rank] = unseal(job.secret, result_purpose(rank, generation),
+                                    get(store, key))
+        except (HvdlikeError, PayloadError) as exc:
+            raise RankError(f"rank {rank} returned a result that failed authentication: "
+                            f"{exc}", rank, host_of(rank)) from None
+    return outcomes
 
 
 # Errors a rank raises because another rank failed first.
@@ -326,37 +351,24 @@ def raise_outcome(rank: int, host: str, outcome: dict) -> None:
     raise error from outcome.get("exception")
 
 
-def first_cause(outcomes: Dict[int, dict]) -> Optional[int]:
-    """The rank to blame among failed outcomes: one that raised something other
-    than a consequence of another rank's failure, else the first failed (None: none)."""
-    failed = [rank for rank in sorted(outcomes) if not outcomes[rank]["ok"]]
-    causes = [rank for rank in failed if outcomes[rank]["type"] not in CONSEQUENCES]
-    return (causes or failed or [None])[0]
+def first_cause(outcomes: Dict[int, dict], first: Optional[int] = None) -> Optional[int]:
+    """The rank to blame among failed outcomes (None: none failed): one that raised
+    something other than a consequence of another rank's failure, else any failed
+    one; ``first`` (the rank the launcher saw fail first) before the others."""
+    failed = sorted((rank != first, rank) for rank in outcomes if not outcomes[rank]["ok"])
+    causes = [rank for _, rank in failed if outcomes[rank]["type"] not in CONSEQUENCES]
+    return (causes or [rank for _, rank in failed] or [None])[0]
 
 
-def _collect(job: Job, result, blobs) -> List[Any]:
-    if result.interrupted:
-        raise KeyboardInterrupt(f"hvdlike.run interrupted ({result.interrupted})")
-    outcomes = {}
-    for rank, blob in blobs.items():
-        try:
-            outcomes[rank] = unseal(job.secret, f"result/{rank}", blob)
-        except PayloadError as exc:
-            raise RankError(f"rank {rank} returned a result that failed authentication: {exc}",
-                            rank, job.placements[rank].host) from None
-    failed = [rank for rank in sorted(outcomes) if not outcomes[rank]["ok"]]
-    if result.failure is not None and result.failure.rank in failed:
-        failed.remove(result.failure.rank)
-        failed.insert(0, result.failure.rank)
+def _collect(job: Job, result, outcomes: Dict[int, dict]) -> List[Any]:
+    blamed = first_cause(outcomes, result.failure.rank if result.failure is not None else None)
     # A rank that lost its peers raises HvdlikeInternalError ("rank 1 died ..."):
     # a consequence. Name the cause instead: a rank that raised something else,
     # else a rank that ended without any result.
-    causes = [rank for rank in failed if outcomes[rank]["type"] not in CONSEQUENCES]
     silent = [w for w in result.workers if w.rank not in outcomes]
-    if failed and (causes or not silent):
-        failed = causes + [rank for rank in failed if rank not in causes]
-        rank = failed[0]
-        raise_outcome(rank, job.placements[rank].host, outcomes[rank])
+    if blamed is not None and (outcomes[blamed]["type"] not in CONSEQUENCES or not silent):
+        raise_outcome(blamed, job.placements[blamed].host, outcomes[blamed])
+    failed = blamed is not None
     if failed or result.failure is not None or len(outcomes) < len(job.placements):
         if silent and (failed or result.failure is None or result.failure.rank in outcomes):
             worker = silent[0]

@@ -6,7 +6,7 @@ ranks start and where their outcomes are filed:
 
 * elastic: the ranks are the elastic driver's workers; each files its outcome
   under the generation it ended in and its rank there, and the results are
-  those of the last generation, in rank order;
+  those of the newest generation every rank of which returned one;
 * mpirun: mpirun starts the ranks, which find the launcher's store through
   ``HVDLIKE_RUN_STORE``/``HVDLIKE_RUN_SECRET`` (handed over in the environment,
   as hvdlike-run hands the job secret to its ranks; mpirun gets only their
@@ -17,41 +17,16 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List
 
-from hvdlike.core.errors import HvdlikeError
-
+from .api import RankError, first_cause, gather, raise_outcome, shipped
 from .launch_config import LaunchConfig
-from .payload import (
-    MAX_BLOB_BYTES, PAYLOAD_KEY, PayloadError, get, put, result_key, result_purpose, unseal,
-)
 from .task import REFUSED, RUN_SECRET_ENV, RUN_STORE_ENV
-
-
-def _gather(job, store, ranks: List[int], generation: Optional[int],
-            host_of: Callable[[int], str]) -> Dict[int, dict]:
-    """The authenticated outcomes filed by ``ranks`` (of ``generation``)."""
-    from .api import RankError
-
-    outcomes = {}
-    for rank in ranks:
-        key = result_key(rank, generation)
-        if not store.check([key]):
-            continue
-        try:
-            outcomes[rank] = unseal(job.secret, result_purpose(rank, generation),
-                                    get(store, key))
-        except (HvdlikeError, PayloadError) as exc:  # never unpickled
-            raise RankError(f"rank {rank} returned a result that failed authentication: "
-                            f"{exc}", rank, host_of(rank)) from None
-    return outcomes
 
 
 def _results(outcomes: Dict[int, dict], ranks: List[int], host_of: Callable[[int], str],
              missing: Callable[[int], str]) -> List[Any]:
     """Every rank's value, or the :class:`RankError` that explains the failure."""
-    from .api import RankError, first_cause, raise_outcome
-
     blamed = first_cause(outcomes)
     if blamed is not None:
         raise_outcome(blamed, host_of(blamed), outcomes[blamed])
@@ -69,19 +44,12 @@ def _warn(text: str) -> None:
 def run_elastic_function(config: LaunchConfig, fn, args, kwargs) -> List[Any]:
     """Run ``fn`` as an elastic job; the results of the newest generation whose every
     rank returned one, in rank order."""
-    from .api import _sealed_payload
     from .elastic.driver import ElasticDriver
     from .elastic.launch import discovery_for
-    from .job import Job
 
     settings = config.elastic
     discovery, config = discovery_for(config, settings, _warn)
-    job = Job(config)
-    payload = _sealed_payload(job.secret, fn, args, kwargs)
-    with job:
-        store = job.store.client(MAX_BLOB_BYTES)
-        put(store, PAYLOAD_KEY, payload)
-        del payload
+    with shipped(config, fn, args, kwargs) as (job, store):
         driver = ElasticDriver(job, settings, discovery)
         result = driver.run()
         if result.interrupted:
@@ -98,13 +66,11 @@ def run_elastic_function(config: LaunchConfig, fn, args, kwargs) -> List[Any]:
         seen = []
         for number in range(driver.generation, 0, -1):
             ranks = list(range(result.sizes[number - 1]))
-            found = _gather(job, store, ranks, number, host_of)
+            found = gather(job, store, ranks, number, host_of)
             if result.exit_code == 0 and len(found) == len(ranks) and \
                     all(o["ok"] for o in found.values()):
                 return [found[rank]["value"] for rank in ranks]
             seen.append((number, ranks, found))
-    from .api import RankError
-
     for number, ranks, found in seen:  # someone's fn raised: name it
         failed = {rank: o for rank, o in found.items() if not o["ok"] and not o.get("left")}
         if failed:  # the host each rank reported: the last generation's may differ
@@ -119,25 +85,18 @@ def run_elastic_function(config: LaunchConfig, fn, args, kwargs) -> List[Any]:
 
 def run_under_mpirun(config: LaunchConfig, fn, args, kwargs) -> List[Any]:
     """Run ``fn`` on ranks mpirun starts; their results in MPI rank order."""
-    from .api import _sealed_payload
-    from .job import Job
     from .mpi_exec import run_with_mpirun
 
-    job = Job(config)
-    payload = _sealed_payload(job.secret, fn, args, kwargs)
-    ranks = [p.rank for p in job.placements]
-    hosts = {p.rank: p.host for p in job.placements}
-    with job:
-        store = job.store.client(MAX_BLOB_BYTES)
-        put(store, PAYLOAD_KEY, payload)
-        del payload
+    with shipped(config, fn, args, kwargs) as (job, store):
+        hosts = {p.rank: p.host for p in job.placements}
+        ranks = list(hosts)
         addr, port = job.store.endpoint()
         environ = dict(config.environ)
         environ[RUN_STORE_ENV] = f"{addr}:{port}"
         environ[RUN_SECRET_ENV] = job.secret
         code = run_with_mpirun(dataclasses.replace(config, environ=environ), len(ranks),
                                verbose=print)
-        outcomes = _gather(job, store, ranks, None, hosts.__getitem__)
+        outcomes = gather(job, store, ranks, None, hosts.__getitem__)
     why = (" (a rank that refuses its payload, which failed authentication, exits with it)"
            if code == REFUSED else "")
     return _results(outcomes, ranks, hosts.__getitem__,
