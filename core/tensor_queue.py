@@ -77,16 +77,10 @@ class TensorQueue:
                 ``entries``; ``holder`` is the in-flight entry (or None).
         """
         if len(entries) == 1:
-            entry = entries[0]
-            prior = self._inflight.setdefault(entry.request.name, entry)
-            if prior is not entry:
-                raise _duplicate(entry.request.name, prior)
-            self._pending.append(entry)
-        else:
-            self._claim(entries)
-            self._pending.append(list(entries))
-        # Drain clears the event before taking entries, so an entry appended
-        # while it is still set is taken by that drain: no set() needed.
+            self.put_one(entries[0])
+            return
+        self._claim(entries)
+        self._pending.append(list(entries))
         if not self.wakeup.is_set():
             self.wakeup.set()
 
@@ -96,6 +90,8 @@ class TensorQueue:
         if prior is not entry:
             raise _duplicate(entry.request.name, prior)
         self._pending.append(entry)
+        # Drain clears the event before taking entries, so an entry appended
+        # while it is still set is taken by that drain: no set() needed.
         if not self.wakeup.is_set():
             self.wakeup.set()
 
