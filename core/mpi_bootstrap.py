@@ -31,7 +31,7 @@ from .topology import (  # noqa: F401 - topologies re-exported for older imports
 
 # (name, rank variable, size variable) of each MPI, in detection order. Local and
 # cross ranks are computed from host names so every flavour agrees with Horovod.
-_MPI_FLAVOURS = (
+MPI_FLAVOURS = (
     ("mpirun (Open MPI)", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
     ("mpirun (MPICH)", "PMI_RANK", "PMI_SIZE"),
 )
@@ -355,7 +355,7 @@ def detect(environ: Mapping[str, str], world=None) -> Optional[tuple]:
         ConfigError: the job needs mpi4py and it is missing, or a variable is malformed.
     """
     in_srun = "SLURM_PROCID" in environ and "SLURM_STEP_ID" in environ
-    for name, rank_var, size_var in _MPI_FLAVOURS:
+    for name, rank_var, size_var in MPI_FLAVOURS:
         if rank_var in environ and size_var in environ:
             if in_srun and importlib.util.find_spec("mpi4py") is None:
                 break  # srun's PMI variables without MPI: bootstrap from Slurm's own

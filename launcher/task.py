@@ -51,11 +51,11 @@ def _placement():
         return (os.environ.get(ENV_JOB_SECRET, ""), int(os.environ.get(ENV_RANK, "0")),
                 os.environ.get(ENV_STORE_ADDR, ""), int(os.environ.get(ENV_STORE_PORT, "0")),
                 int(os.environ.get(ENV_SIZE, "1")))
-    from hvdlike.core.mpi_bootstrap import _MPI_FLAVOURS
+    from hvdlike.core.mpi_bootstrap import MPI_FLAVOURS
 
     secret = os.environ.pop(RUN_SECRET_ENV, "")
     addr, _, port = via.rpartition(":")
-    for _name, rank_var, size_var in _MPI_FLAVOURS:
+    for _name, rank_var, size_var in MPI_FLAVOURS:
         if rank_var in os.environ:
             return (secret, int(os.environ[rank_var]), addr, int(port),
                     int(os.environ.get(size_var, "1")))
