@@ -9,6 +9,9 @@ KIB = 1024
 MIB = 1024 * 1024
 
 
+FLOOR = ("barrier", "copy", "copy_barrier", "segment", "hvdlike")
+
+
 def _ratio(a: float, b: float) -> float:
     return a / b if b and not math.isnan(a) and not math.isnan(b) else float("nan")
 
@@ -32,6 +35,10 @@ def ratios(results: dict) -> Dict[str, float]:
         if "memcpy" in row:
             out[f"allreduce.{nbytes}.hvdlike/memcpy"] = _ratio(row["hvdlike"]["median"],
                                                                row["memcpy"]["median"])
+    f = results.get("floor")
+    if f and "skipped" not in f:
+        for name in FLOOR:
+            out[f"floor.{name}/compute"] = _ratio(f[name]["median"], f["compute"]["median"])
     m = results.get("many_small")
     if m:
         out["many_small.gloo_per_tensor/hvdlike"] = _ratio(m["gloo_per_tensor"]["median"],
@@ -152,6 +159,18 @@ def table(data: dict) -> str:
         lines.append(f"  runtime threads CPU while rank sleeps "
                      f"{100 * idle['sleeping']['cpu_fraction_max_rank']:.1f}% of a core, while "
                      f"it computes {100 * idle['computing']['cpu_fraction_max_rank']:.1f}%")
+        lines.append("")
+    f = res.get("floor")
+    if f and "skipped" in f:
+        lines += [f"floor: skipped ({f['skipped']})", ""]
+    elif f:
+        lines.append(f"floor of a synchronous step, {f['layers']} x Linear({f['width']},"
+                     f"{f['width']}), batch {f['batch']}: median ms, and / compute")
+        lines.append(f"  compute {_ms(f['compute'])}")
+        for name in FLOOR:
+            lines.append(f"  {name:13} {_ms(f[name])}   {r[f'floor.{name}/compute']:.3f}")
+        lines.append(f"  (max |param diff| segment vs hvdlike "
+                     f"{f['max_param_diff_segment_vs_hvdlike']:.1e})")
         lines.append("")
     lines.append("targets")
     for label, value, ok in targets(res):

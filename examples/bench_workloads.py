@@ -285,6 +285,9 @@ def main(cfg: dict) -> None:
         results["many_small"] = many_small(hvd, cfg)
     if "overhead" in workloads:
         results["overhead"] = overhead(hvd, cfg)
+    if "floor" in workloads:
+        from bench_floor import floor
+        results["floor"] = floor(hvd, cfg)
     if cfg.get("rss_steps"):
         results["rss"] = rss(hvd, cfg)
     meta = {"np": dist.get_world_size(), "torch": torch.__version__,

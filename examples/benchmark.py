@@ -50,14 +50,16 @@ import bench_allocator  # noqa: E402
 from bench_report import table  # noqa: E402
 
 ALL = ("train_large", "train_small", "allreduce", "many_small", "overhead")
+OPTIONAL = ("floor",)  # run only when named: see examples/bench_floor.py
 KIB, MIB = 1024, 1024 * 1024
 
 
 def settings(args) -> dict:
     workloads = [] if args.workloads == "none" else args.workloads.split(",")
-    bad = [w for w in workloads if w not in ALL]
+    bad = [w for w in workloads if w not in ALL + OPTIONAL]
     if bad:
-        raise SystemExit(f"--workloads: unknown {bad}; choose from {', '.join(ALL)} or none")
+        raise SystemExit(f"--workloads: unknown {bad}; choose from "
+                         f"{', '.join(ALL + OPTIONAL)} or none")
     if args.quick:
         cfg = {"reps": 2, "steps": 3, "warmup": 1, "sizes": [4 * KIB, 1 * MIB],
                "many_count": 100, "cached_count": 400, "idle_seconds": 0.3}
@@ -98,7 +100,8 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, help="alternation rounds per workload")
     parser.add_argument("--steps", type=int, help="timed steps per contender per round")
     parser.add_argument("--workloads", default=",".join(ALL),
-                        help=f"comma list from {','.join(ALL)}, or none")
+                        help=f"comma list from {','.join(ALL + OPTIONAL)}, or none "
+                             f"(default: all but {','.join(OPTIONAL)})")
     parser.add_argument("--rss-steps", type=int, default=0,
                         help="also train this many hvdlike steps and report RSS growth")
     parser.add_argument("--json", default="benchmark.json", help="where to write the results")

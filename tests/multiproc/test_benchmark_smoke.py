@@ -48,3 +48,20 @@ def test_quick_benchmark_writes_every_workload_and_finite_ratios(tmp_path, launc
     # By default the ranks' glibc keeps freed buffers (see --allocator).
     assert data["meta"]["allocator"].startswith("glibc thresholds MALLOC_MMAP_THRESHOLD_=")
     assert "page faults per step" in proc.stdout
+
+
+def test_floor_workload_reduces_like_hvdlike_and_leaves_no_segment(tmp_path):
+    before = set(os.listdir("/dev/shm"))
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", "benchmark.py"), "--np", "2", "--quick",
+         "--workloads", "floor", "--json", str(out), "--timeout", "150"],
+        capture_output=True, text=True, timeout=180, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    floor = json.loads(out.read_text())["results"]["floor"]
+    # The segment's average and hvdlike's took the same steps on the same batches.
+    assert floor["max_param_diff_segment_vs_hvdlike"] < 1e-6
+    for contender in ("compute", "barrier", "copy", "copy_barrier", "segment", "hvdlike"):
+        assert floor[contender]["n"] >= 2
+    assert "floor of a synchronous step" in proc.stdout
+    assert not [n for n in set(os.listdir("/dev/shm")) - before if "bench-floor" in n]
