@@ -19,6 +19,8 @@ contenders alternated in rotating blocks on identical models and batches:
   Gloo vs one hand-flattened Gloo allreduce;
 * ``overhead``: negotiation time per cycle with 400 cached tensors vs one
   1-element Gloo allreduce, and the runtime threads' CPU while idle.
+* ``floor`` (only when named): ``train_large``'s step alone vs the least a
+  synchronous gradient average adds to it (see ``bench_floor.py``).
 
 ``--rss-steps N`` adds a resident-memory check over N hvdlike training steps.
 The ranks run with glibc's trim and mmap thresholds fixed
