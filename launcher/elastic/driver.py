@@ -69,6 +69,9 @@ class ElasticResult:
     lost: List[Lost] = dataclasses.field(default_factory=list)
     generations: int = 0
     sizes: List[int] = dataclasses.field(default_factory=list)
+    # The newest generation's number when the job was completed before all of its
+    # members arrived (published, never formed); None when it formed or is unknown.
+    unformed: Optional[int] = None
 
     def summary(self) -> str:
         lines = [self.message] if self.message else []
@@ -166,7 +169,18 @@ class ElasticDriver:
             self._stop_removed()
             if not self.live and (self._finishing or self.result.interrupted
                                   or self.result.exit_code != 0):
+                if self._finishing and self.result.exit_code == 0 and not self._formed():
+                    self.result.unformed = self.generation
                 break
+
+    def _formed(self) -> bool:
+        """Whether every member of the newest generation arrived in it (an unknown
+        answer counts as yes: it only changes how the summary counts re-forms)."""
+        keys = [protocol.ready_key(self.generation, m.worker) for m in self.members]
+        try:
+            return bool(self.store.check(keys))
+        except Exception:
+            return True
 
     def _check_progress(self) -> None:
         now = self.clock()

@@ -82,8 +82,15 @@ def run_elastic(config: LaunchConfig, settings: ElasticSettings, say) -> int:
     elif result.interrupted:
         say(f"job interrupted ({result.interrupted}); every rank was stopped")
     elif result.generations > 1:
-        text = (f"job finished after {result.generations - 1} re-form(s), sizes "
-                f"{' -> '.join(map(str, result.sizes))}")
+        formed = result.sizes[:-1] if result.unformed else result.sizes
+        if len(formed) > 1:
+            text = (f"job finished after {len(formed) - 1} re-form(s), sizes "
+                    f"{' -> '.join(map(str, formed))}")
+        else:
+            text = f"job finished in generation 1 ({formed[0]} rank(s))"
+        if result.unformed:
+            text += (f"; generation {result.unformed} ({result.sizes[-1]} rank(s)) was "
+                     "completed before it formed")
         say(text + ("\n" + result.summary() if result.lost else "").replace(
             "\n", "\nhvdlike-run: "))
     return result.exit_code

@@ -154,6 +154,10 @@ def test_a_rank_started_for_a_generation_the_others_never_enter_leaves(marker):
     assert "generation 2: 3 rank(s)" in err, err
     assert "elastic worker w2: the job was completed before generation 2 formed; leaving" \
         in err, err
+    # The summary counts generations that formed, not every one published.
+    assert "job finished in generation 1 (2 rank(s)); generation 2 (3 rank(s)) was " \
+        "completed before it formed" in err, err
+    assert "re-form(s)" not in err, err
     print(f"job ended {seconds:.1f}s after start")
 
 
