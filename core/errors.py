@@ -26,6 +26,11 @@ class HvdlikeInternalError(HvdlikeError):
 
 HorovodInternalError = HvdlikeInternalError
 
+# How a collective ends when a peer shut the job down under it; the rest of the
+# message names the peers (``: rank R on HOST ...``). The launcher reads it in a
+# failed rank's last lines to blame the peer that went first.
+SHUT_DOWN_UNDER = "hvdlike was shut down before this collective completed"
+
 
 class MismatchError(HvdlikeInternalError, ValueError):
     """Ranks submitted the same tensor name with incompatible requests (or a

@@ -29,7 +29,7 @@ from typing import Dict, List, Mapping, Optional, Sequence
 from . import autotune, bootstrap, config as config_mod, generation_keys, store_wait
 from . import world as world_mod
 from .deadlock import Waits
-from .errors import ConfigError, HvdlikeError, HvdlikeInternalError
+from .errors import SHUT_DOWN_UNDER, ConfigError, HvdlikeError, HvdlikeInternalError
 from .executor import CompletionHooks
 from .handles import Handle, finish_many
 from .health import Health, words_probe
@@ -936,7 +936,7 @@ class Runtime:
 
     def _shutdown_reason(self) -> str:
         """Why pending collectives cannot complete after a negotiated shutdown."""
-        text = "hvdlike was shut down before this collective completed"
+        text = SHUT_DOWN_UNDER
         if self.health is None:
             return text
         try:

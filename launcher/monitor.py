@@ -17,6 +17,7 @@ import enum
 import json
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -24,6 +25,7 @@ import threading
 import time
 from typing import IO, Callable, Deque, Dict, List, Optional, Sequence
 
+from ..core.errors import SHUT_DOWN_UNDER
 from .hosts import RankPlacement
 
 TAIL_LINES = 10
@@ -345,6 +347,8 @@ def monitor(workers: Sequence[Worker], output: Output, grace_seconds: float,
     result = RunResult(exit_code=0, workers=list(workers))
     live = {w.rank: w for w in workers}
     stopping_since: Optional[float] = None
+    # (when, why): a stop held back while the ranks a failed rank blames are exiting
+    deferred: Optional[tuple] = None
     interrupts = 0
 
     def stop_all(reason: str) -> None:
@@ -416,8 +420,19 @@ def monitor(workers: Sequence[Worker], output: Output, grace_seconds: float,
                     if result.failure is None and result.interrupted is None:
                         result.failure = worker
                         result.exit_code = _exit_code_for(code)
-                        stop_all(f"rank {worker.rank} on host {worker.host} "
-                                 f"{describe_exit(code, worker.remote)}")
+                        why = (f"rank {worker.rank} on host {worker.host} "
+                               f"{describe_exit(code, worker.remote)}")
+                        if any(r in live for r in _shut_down_by(worker)):
+                            # The ranks it blames are on their way out: let them end
+                            # with their own status before stopping them.
+                            deferred = (clock() + ROOT_CAUSE_WINDOW, why)
+                        else:
+                            stop_all(why)
+            if deferred is not None and (clock() >= deferred[0] or result.interrupted
+                                         or not any(r in live for r in
+                                                    _shut_down_by(result.failure))):
+                stop_all(deferred[1])
+                deferred = None
             if stopping_since is not None and clock() - stopping_since > grace_seconds + 10:
                 for w in live.values():
                     w.kill()
@@ -444,11 +459,31 @@ def root_cause(workers: Sequence[Worker], first: Worker, window: float = ROOT_CA
     """The failure to report: ``first``, unless a rank *died* (signal, lost host) within
     ``window`` seconds of it. When a rank is killed, its peers often fail on their own
     a moment later with a connection error; the dead rank is the one to name.
+
+    Likewise a rank that exited non-zero (``sys.exit(7)``) shuts the job down on its
+    way out: a peer inside a collective fails at once, saying so and naming it, and
+    may be reaped first. The rank it names, failed within ``window``, is the cause.
     """
     if _died(first):
         return first
-    for worker in sorted(workers, key=lambda w: w.failed_at or 0.0):
-        if (worker.state is WorkerState.FAILED and worker.failed_at is not None
-                and worker.failed_at - first.failed_at <= window and _died(worker)):
+    near = [w for w in sorted(workers, key=lambda w: w.failed_at or 0.0)
+            if w.state is WorkerState.FAILED and w.failed_at is not None
+            and abs(w.failed_at - first.failed_at) <= window]
+    for worker in near:
+        if _died(worker):
+            return worker
+    named = _shut_down_by(first)
+    for worker in near:
+        if worker is not first and worker.rank in named and not _shut_down_by(worker):
             return worker
     return first
+
+
+def _shut_down_by(worker: Worker) -> List[int]:
+    """The ranks ``worker``'s last lines say shut the job down under its collective."""
+    for text in reversed(worker.stderr_tail):
+        at = text.find(SHUT_DOWN_UNDER + ": ")
+        if at >= 0:
+            return [int(r) for r in re.findall(r"(?:^|; )rank (\d+) on ",
+                                               text[at + len(SHUT_DOWN_UNDER) + 2:])]
+    return []

@@ -47,6 +47,27 @@ def test_rank_exiting_non_zero_stops_the_others(marker):
     assert "Traceback" not in err
 
 
+def test_a_rank_exiting_non_zero_mid_job_is_blamed_not_the_peer_it_shut_down(marker):
+    # Rank 1's sys.exit(7) shuts the job down on its way out; rank 0, inside an
+    # allreduce, fails at once naming rank 1 and is often reaped first. The job
+    # still ends with rank 1's status and names rank 1 (a timing race before).
+    script = marker / "job.py"
+    script.write_text(textwrap.dedent("""
+        import sys, torch
+        torch.set_num_threads(1)
+        import hvdlike.torch as hvd
+        hvd.init()
+        if hvd.rank() == 1:
+            sys.exit(7)
+        for _ in range(3):
+            hvd.allreduce(torch.ones(2))
+    """))
+    for _ in range(3):
+        code, out, err, _ = run(["-np", "2", "python", str(script)], timeout=60)
+        assert code == 7, err
+        assert "job failed: rank 1 on host localhost exited with code 7" in err, err
+
+
 def test_rank_killed_by_sigkill_ends_the_job(marker):
     (marker / "job.py").write_text(textwrap.dedent(TRAINING))
     proc = start(["-np", "3", "--grace-period-seconds", "2", "python", str(marker / "job.py")])

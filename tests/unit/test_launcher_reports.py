@@ -103,3 +103,25 @@ def test_root_cause_keeps_the_first_failure_otherwise():
     assert root_cause([killed, _failed(3, 139, 10.1)], killed) is killed
     lost = _failed(3, 255, 10.5, remote=True)
     assert root_cause([first, lost], first) is lost
+
+
+def test_root_cause_is_the_rank_whose_exit_shut_the_job_down_under_its_peer():
+    # Rank 1 exits 7; its way out shuts the job down, rank 0's collective fails at
+    # once naming it, and rank 0 happens to be reaped first.
+    first = _failed(0, 1, 10.0)
+    first.stderr_tail.extend([
+        "Traceback (most recent call last):",
+        '  File "train.py", line 9, in <module>',
+        "hvdlike.core.errors.HvdlikeInternalError: hvdlike was shut down before this "
+        "collective completed: rank 1 on localhost (pid 4242) shut down (called shutdown() "
+        "or its script ended)"])
+    leaver = _failed(1, 7, 10.3)
+    assert root_cause([first, leaver], first) is leaver
+    # Outside the window, or naming a rank that did not fail, the first failure stands.
+    assert root_cause([first, _failed(1, 7, 13.0)], first) is first
+    assert root_cause([first, _failed(2, 7, 10.3)], first) is first
+    # Two ranks each blaming the other: no cause to prefer.
+    other = _failed(1, 1, 10.1)
+    other.stderr_tail.append("HvdlikeInternalError: hvdlike was shut down before this "
+                             "collective completed: rank 0 on localhost (pid 1) shut down")
+    assert root_cause([first, other], first) is first
