@@ -39,9 +39,9 @@ import dataclasses
 import difflib
 import math
 import os
-import stat
 from typing import Any, Dict, List, Optional, Tuple
 
+from . import small_file
 from .errors import LaunchError
 
 MAX_BYTES = 64 * 1024
@@ -145,67 +145,10 @@ def to_flags(path: str) -> List[str]:
 # -- reading -------------------------------------------------------------------------------
 
 
-_FILE_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
-               (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
-
-
-def _check_regular(mode: int, where: str) -> None:
-    if stat.S_ISDIR(mode):
-        raise LaunchError(f"{where}: is a directory, not a file")
-    if not stat.S_ISREG(mode):
-        kind = next((name for test, name in _FILE_KINDS if test(mode)), "a special file")
-        raise LaunchError(f"{where}: is {kind}, not a regular file")
-
-
-def _check_size(size: int, where: str) -> None:
-    if size > MAX_BYTES:
-        kib = f" ({MAX_BYTES // 1024} KiB)" if MAX_BYTES % 1024 == 0 else ""
-        raise LaunchError(f"{where}: is larger than {MAX_BYTES} bytes{kib}, "
-                          f"the most a config file may hold")
-
-
-def _os_reason(exc: OSError) -> str:
-    return exc.strerror or str(exc)
-
-
 def _read(path: str, where: str) -> str:
     if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
         raise LaunchError("--config-file needs a file name")
-    try:
-        # stat first: a FIFO or device is refused without being opened.
-        _check_regular(os.stat(path).st_mode, where)
-        # O_NONBLOCK: should the path be swapped for a FIFO now, open() still returns.
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)
-                     | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0))
-    except FileNotFoundError:
-        raise LaunchError(f"{where}: no such file") from None
-    except ValueError:  # e.g. a NUL byte in the name
-        raise LaunchError(f"{where}: is not a valid file name") from None
-    except OSError as exc:
-        raise LaunchError(f"{where}: cannot be read: {_os_reason(exc)}") from None
-    try:
-        info = os.fstat(fd)
-        _check_regular(info.st_mode, where)
-        _check_size(info.st_size, where)
-        chunks = []
-        total = 0
-        while total <= MAX_BYTES:  # the file may grow after fstat: never read past the cap
-            chunk = os.read(fd, MAX_BYTES + 1 - total)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            total += len(chunk)
-        _check_size(total, where)
-    except OSError as exc:
-        raise LaunchError(f"{where}: cannot be read: {_os_reason(exc)}") from None
-    finally:
-        os.close(fd)
-    data = b"".join(chunks)
-    try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        line = data[:exc.start].count(b"\n") + 1
-        raise LaunchError(f"{where}: is not UTF-8 text (invalid byte at line {line})") from None
+    return small_file.read_text(path, where, MAX_BYTES, "a config file")
 
 
 # -- parsing -------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from typing import List, Optional, Sequence
 
 from hvdlike.core.topology import Topology, topologies
 
+from . import small_file
 from .errors import LaunchError
 
 # [user@] then a host name, an IPv4 address, or a bracketed IPv6 address.
@@ -41,6 +42,7 @@ class RankPlacement:
 
 
 MAX_RANKS = 65536
+HOSTFILE_MAX_BYTES = 1 << 20  # thousands of hosts fit; /dev/zero does not
 """The most ranks a job (and slots a host) may have: larger counts are typing mistakes,
 and would exhaust this machine's memory before any rank started."""
 
@@ -56,6 +58,23 @@ def _slots(text: str, where: str) -> int:
 
 def _strip_brackets(host: str) -> str:
     return host[1:-1] if host.startswith("[") else host
+
+
+def _checked_host(host: str, where: str) -> str:
+    """``host`` (``[user@]name``) without IPv6 brackets, once its name could be one:
+    what a resolver or ssh would otherwise fail on obscurely (or take as an option)."""
+    user, _, name = host.rpartition("@")
+    if user.startswith("-") or name.startswith("-"):
+        raise LaunchError(f"{where}: a host or user name cannot start with '-'")
+    if name.startswith("["):
+        return _strip_brackets(host)
+    labels = name[:-1].split(".") if name.endswith(".") else name.split(".")
+    if "" in labels:
+        raise LaunchError(f"{where}: host name {name!r} has an empty part between dots")
+    if max(map(len, labels)) > 63 or len(name) > 253:
+        raise LaunchError(f"{where}: host name {name!r} is too long (at most 63 characters "
+                          "between dots, 253 in all)")
+    return host
 
 
 def parse_hosts(text: str) -> List[HostSlots]:
@@ -86,7 +105,8 @@ def parse_hosts(text: str) -> List[HostSlots]:
             )
         host, slots = match.group(1), match.group(2)
         where = f"-H/--hosts entry {entry!r}"
-        result.append(HostSlots(_strip_brackets(host), 1 if slots is None else _slots(slots, where)))
+        result.append(HostSlots(_checked_host(host, where),
+                                1 if slots is None else _slots(slots, where)))
     return _no_repeats(result, "-H/--hosts")
 
 
@@ -122,7 +142,7 @@ def parse_hostfile(text: str, name: str = "hostfile") -> List[HostSlots]:
             value = _slots(option.group(2), where)  # max_slots is checked, then unused
             if key == "slots":
                 slots = value
-        result.append(HostSlots(_strip_brackets(host), slots))
+        result.append(HostSlots(_checked_host(host, where), slots))
     if not result:
         raise LaunchError(f"{name} lists no hosts")
     return _no_repeats(result, name)
@@ -134,12 +154,8 @@ def read_hostfile(path: str) -> List[HostSlots]:
     Raises:
         LaunchError: the file cannot be read or is malformed.
     """
-    try:
-        with open(path, encoding="utf-8") as handle:
-            text = handle.read()
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise LaunchError(f"cannot read hostfile {path!r}: {reason}") from None
+    text = small_file.read_text(path, f"cannot read hostfile {path!r}", HOSTFILE_MAX_BYTES,
+                                "a hostfile")
     return parse_hostfile(text, f"hostfile {path!r}")
 
 

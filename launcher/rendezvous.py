@@ -48,6 +48,8 @@ def resolve(host: str) -> List[str]:
         infos = socket.getaddrinfo(name, None, proto=socket.IPPROTO_TCP)
     except socket.gaierror as exc:
         raise LaunchError(f"host {name!r} does not resolve: {exc.strerror}") from None
+    except (UnicodeError, ValueError) as exc:  # e.g. a part between dots over 63 characters
+        raise LaunchError(f"host {name!r} is not a valid host name ({exc})") from None
     addrs = [info[4][0] for info in infos]
     return sorted(set(addrs), key=lambda a: (":" in a, addrs.index(a)))
 

@@ -3,7 +3,9 @@
 import pytest
 
 from hvdlike.launcher.errors import LaunchError
-from hvdlike.launcher.hosts import HostSlots, assign_ranks, parse_hostfile, parse_hosts
+from hvdlike.launcher.hosts import (
+    HostSlots, assign_ranks, parse_hostfile, parse_hosts, read_hostfile,
+)
 
 
 def test_parse_hosts_with_and_without_slots():
@@ -54,6 +56,40 @@ def test_hostfile_comments_blank_lines_and_forms():
 def test_hostfile_errors_name_the_line(text, line):
     with pytest.raises(LaunchError, match=f"line {line}"):
         parse_hostfile(text, "hosts.txt")
+
+
+@pytest.mark.parametrize("entry, needle", [
+    ("a..b:1", "'a..b' has an empty part between dots"),
+    (".a", "'.a' has an empty part between dots"),
+    ("x" * 64 + ":1", "is too long"),
+    ("h." + "y" * 250, "is too long"),
+    ("-v:1", "cannot start with '-'"),
+    ("-oX@h:1", "cannot start with '-'"),
+])
+def test_host_names_a_resolver_or_ssh_would_fail_on_are_named(entry, needle):
+    # These reached getaddrinfo (UnicodeError from its IDNA codec) or ssh (an option).
+    with pytest.raises(LaunchError, match=needle):
+        parse_hosts(entry)
+    with pytest.raises(LaunchError, match="line 1 .*" + needle):
+        parse_hostfile(entry.replace(":1", " slots=1"))
+    assert parse_hosts("localhost.:2,h-1.example:1") == [HostSlots("localhost.", 2),
+                                                         HostSlots("h-1.example", 1)]
+
+
+def test_hostfile_that_is_no_regular_file_or_too_large_is_refused_unopened(tmp_path):
+    import os
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)  # opening it would block until a writer came
+    with pytest.raises(LaunchError, match="is a FIFO, not a regular file"):
+        read_hostfile(str(fifo))
+    with pytest.raises(LaunchError, match="is a character device"):
+        read_hostfile("/dev/zero")  # read whole, it filled memory
+    big = tmp_path / "big"
+    big.write_text("h slots=1\n" + "#" * (1 << 20))
+    with pytest.raises(LaunchError, match="larger than 1048576 bytes .*the most a hostfile"):
+        read_hostfile(str(big))
+    with pytest.raises(LaunchError, match="cannot read hostfile .*: no such file"):
+        read_hostfile(str(tmp_path / "missing"))
 
 
 def test_empty_hostfile_is_an_error():
