@@ -176,6 +176,11 @@ class Knob:
         return PREFIX + (self.env_name or self.field.upper())
 
     @property
+    def on_off(self) -> bool:
+        """Whether the knob is a switch (``1``/``0``, or automatic when unset)."""
+        return self.parse in (_parse_bool, auto_bool)
+
+    @property
     def fallback_env(self) -> str:
         return FALLBACK_PREFIX + (self.env_name or self.field.upper())
 

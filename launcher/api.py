@@ -142,6 +142,9 @@ def _knob_env(knobs) -> Dict[str, str]:
             raise LaunchError(f"hvdlike.run: unknown knob {field!r}; knobs are: {names}")
         if value is None:
             continue
+        if isinstance(value, bool) and not knob.on_off:
+            raise LaunchError(f"hvdlike.run: knobs[{field!r}] = {value!r}: this knob takes "
+                              f"a value, not on/off")
         text = ("1" if value else "0") if isinstance(value, bool) else str(value)
         try:
             knob.parse(text)
@@ -274,8 +277,9 @@ def run(
         command=[python, "-m", TASK_MODULE],
         hosts=host_slots,
         np=np if elastic is None else elastic.np,
-        ssh=SshOptions(port=ssh_port, identity_file=ssh_identity_file,
-                       options=list(ssh_options)),
+        ssh=SshOptions(port=run_args.port_arg(ssh_port, "ssh_port"),
+                       identity_file=run_args.text_arg(ssh_identity_file, "ssh_identity_file"),
+                       options=run_args.ssh_option_list(ssh_options)),
         network_interface=run_args.interface(network_interface, network_interfaces),
         knob_env=knob_env,
         verbose=bool(verbose),
@@ -287,7 +291,9 @@ def run(
         environ=environ,
         elastic=elastic,
     )
-    config.start_timeout = start_timeout or effective_settings(config).start_timeout
+    config.start_timeout = (run_args.seconds_arg(start_timeout, "start_timeout")
+                            if start_timeout is not None
+                            else effective_settings(config).start_timeout)
     config.ssh.connect_timeout = min(10.0, config.start_timeout)
     if mpi:
         from .run_engines import run_under_mpirun

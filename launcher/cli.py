@@ -82,6 +82,7 @@ from hvdlike.core import config as core_config
 
 from .errors import LaunchError
 from .hosts import MAX_RANKS
+from .run_args import check_ssh_option
 from .launch_config import (
     LaunchConfig,
     SshOptions,
@@ -360,9 +361,7 @@ def to_config(args: argparse.Namespace) -> LaunchConfig:
     config.start_timeout = effective_settings(config).start_timeout
     config.ssh.connect_timeout = min(10.0, config.start_timeout)
     for option in config.ssh.options:
-        key = option.partition("=")[0]
-        if "=" not in option or not key.strip() or any(c.isspace() for c in key):
-            raise LaunchError(f"--ssh-option {option!r} is not valid: expected KEY=VALUE")
+        check_ssh_option(option, "--ssh-option")
     return config
 
 

@@ -62,6 +62,9 @@ def check_writable_file(path: str, cwd: str, what: str) -> None:
         raise LaunchError(f"{what} {path}: permission denied")
 
 
+STORE_CONNECT_SECONDS = 5.0
+
+
 class Job:
     """A prepared job; see the module docstring."""
 
@@ -139,8 +142,10 @@ class Job:
     def __enter__(self) -> "Job":
         self.check()
         addr = choose_address(self.remote_hosts, self.config.network_interface)
+        # The launcher's own connection to its store: not subject to a --start-timeout
+        # too short to connect at all (the ranks still get what was asked).
         self.store = StoreServer(addr, len(self.placements), self.secret,
-                                 self.config.start_timeout).__enter__()
+                                 max(self.config.start_timeout, STORE_CONNECT_SECONDS)).__enter__()
         self._verbose(f"rendezvous store listening on {addr}:{self.store.port}")
         return self
 

@@ -11,9 +11,12 @@ means (see :mod:`.cli`), and the same combinations are refused.
 
 from __future__ import annotations
 
+import numbers
 import operator
 import shlex
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+
+from hvdlike.core import config as core_config
 
 from .errors import LaunchError
 from .hosts import HostSlots, parse_hosts, read_hostfile
@@ -97,11 +100,52 @@ def host_list(hosts: Union[None, str, Sequence[HostSlots]], hostfile: Any,
         return [HostSlots("localhost", np if np is not None else 1)]
     if isinstance(hosts, str):
         return parse_hosts(hosts)
-    listed = list(hosts)
-    if not all(isinstance(h, HostSlots) for h in listed):
+    listed = list(hosts) if isinstance(hosts, (list, tuple)) else [hosts]
+    if not listed or not all(isinstance(h, HostSlots) for h in listed):
         raise LaunchError("hvdlike.run: hosts must be a 'host:slots,...' string or a list of "
                           "HostSlots")
     return listed
+
+
+def port_arg(value: Any, name: str) -> Optional[int]:
+    """A TCP port, or None."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) \
+            or not 1 <= value <= 65535:
+        raise LaunchError(f"hvdlike.run: {name}={value!r} is not a TCP port (1-65535)")
+    return int(value)
+
+
+def seconds_arg(value: Any, name: str) -> float:
+    """A number of seconds as the ``start_timeout`` knob takes it (> 0)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise LaunchError(f"hvdlike.run: {name}={value!r} is not a number of seconds")
+    try:
+        return float(core_config.KNOBS_BY_FIELD["start_timeout"].parse(str(float(value))))
+    except ValueError as exc:
+        raise LaunchError(f"hvdlike.run: {name}={value!r} is not valid: expected {exc}") \
+            from None
+
+
+def ssh_option_list(options: Any) -> List[str]:
+    """``KEY=VALUE`` ssh options from a list of strings (one string is refused:
+    taken as a list it would be its characters)."""
+    if isinstance(options, (str, bytes)) or not isinstance(options, (list, tuple)):
+        raise LaunchError(f"hvdlike.run: ssh_options must be a list of 'KEY=VALUE' strings, "
+                          f"got {type(options).__name__} {options!r:.60}")
+    for option in options:
+        if not isinstance(option, str):
+            raise LaunchError(f"hvdlike.run: ssh_options entries must be strings, got "
+                              f"{type(option).__name__} {option!r:.60}")
+        check_ssh_option(option, "hvdlike.run: ssh_options entry")
+    return list(options)
+
+
+def check_ssh_option(option: str, what: str) -> None:
+    key = option.partition("=")[0]
+    if "=" not in option or not key.strip() or any(c.isspace() for c in key):
+        raise LaunchError(f"{what} {option!r} is not valid: expected KEY=VALUE")
 
 
 def mpi_arguments(mpi_args: Any) -> List[str]:

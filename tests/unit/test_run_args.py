@@ -132,6 +132,18 @@ def test_disable_cache_turns_the_response_cache_off():
     (dict(np=2, slots=2), "slots needs an elastic job"),
     (dict(np=2, output_filename=""), "output_filename is empty"),
     (dict(np=2, hosts="a:1", hostfile="f"), "pass hosts or hostfile, not both"),
+    # Each of these was a bare TypeError/ValueError, a torch stack, or silently ignored.
+    (dict(np=1, start_timeout=-1), r"start_timeout=-1 is not valid: expected seconds > 0"),
+    (dict(np=1, start_timeout=0), r"start_timeout=0 is not valid"),
+    (dict(np=1, start_timeout=float("nan")), r"start_timeout=nan is not valid"),
+    (dict(np=1, start_timeout="abc"), r"start_timeout='abc' is not a number of seconds"),
+    (dict(np=1, hosts=5), "hosts must be a 'host:slots,...' string or a list"),
+    (dict(np=1, hosts="a..b:1"), "'a..b' has an empty part between dots"),
+    (dict(np=1, ssh_options="foo"), "ssh_options must be a list of 'KEY=VALUE' strings"),
+    (dict(np=1, ssh_options=["a b=c"]), "ssh_options entry 'a b=c' is not valid"),
+    (dict(np=1, ssh_port=0), r"ssh_port=0 is not a TCP port \(1-65535\)"),
+    (dict(np=1, ssh_port=True), r"ssh_port=True is not a TCP port"),
+    (dict(np=1, knobs={"cycle_time": True}), "this knob takes a value, not on/off"),
 ])
 def test_bad_combinations_are_refused_before_anything_starts(kwargs, match):
     before = set(os.listdir("/proc"))
