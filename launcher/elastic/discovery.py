@@ -90,7 +90,9 @@ class FixedDiscovery:
 def _run_script(argv: Sequence[str], timeout: float) -> tuple:
     if not os.path.exists(argv[0]):
         raise OSError(2, "no such file")
-    proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout,
+    # The file that was found, even when named without a directory (``find.sh``
+    # would otherwise be looked up on PATH and reported missing).
+    proc = subprocess.run([os.path.abspath(argv[0])] + list(argv[1:]), capture_output=True, text=True, timeout=timeout,
                           stdin=subprocess.DEVNULL)
     return proc.returncode, proc.stdout, proc.stderr
 

@@ -30,6 +30,8 @@ def settings_from_flags(np, min_np, max_np, discovery_script, slots_per_host, re
         np = min_np if min_np is not None else max_np
     if np is None:
         raise LaunchError("-np or --min-np is required for an elastic job")
+    if min_np is None and max_np is not None and np > max_np:  # --min-np would be -np
+        raise LaunchError(f"-np {np} is more than --max-np {max_np}")
     settings = ElasticSettings(
         min_np=min_np if min_np is not None else np,
         max_np=max_np if max_np is not None else sys.maxsize,
@@ -56,6 +58,9 @@ def discovery_for(config: LaunchConfig, settings: ElasticSettings, warn):
     if not hosts:
         raise LaunchError("host discovery found no hosts to start on")
     total = sum(h.slots for h in hosts)
+    if total < settings.np:
+        warn(f"-np {settings.np}: {total} slot(s) found; starting with {total}, more as "
+             f"slots appear")
     return discovery, dataclasses.replace(config, hosts=hosts, np=min(settings.np, total))
 
 

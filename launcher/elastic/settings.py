@@ -45,9 +45,10 @@ def validate(settings: ElasticSettings) -> ElasticSettings:
         raise LaunchError(f"--min-np {settings.min_np} is not valid: expected at least 1")
     if settings.max_np < settings.min_np:
         raise LaunchError(f"--max-np {settings.max_np} is less than --min-np {settings.min_np}")
-    if not settings.min_np <= settings.np <= settings.max_np:
-        raise LaunchError(f"-np {settings.np} must be between --min-np {settings.min_np} "
-                          f"and --max-np {settings.max_np}")
+    if settings.np < settings.min_np:
+        raise LaunchError(f"-np {settings.np} is less than --min-np {settings.min_np}")
+    if settings.np > settings.max_np:
+        raise LaunchError(f"-np {settings.np} is more than --max-np {settings.max_np}")
     if settings.slots_per_host is not None and settings.slots_per_host < 1:
         raise LaunchError(f"--slots-per-host {settings.slots_per_host} is not valid: "
                           f"expected at least 1")

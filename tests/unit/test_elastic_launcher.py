@@ -136,7 +136,9 @@ def test_elastic_flags_build_settings(tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["--min-np", "3", "--max-np", "2"], "--max-np 2 is less than --min-np 3"),
-    (["-np", "5", "--min-np", "2", "--max-np", "4"], "-np 5 must be between --min-np 2"),
+    (["-np", "5", "--min-np", "2", "--max-np", "4"], "-np 5 is more than --max-np 4"),
+    (["-np", "2", "--max-np", "1"], "-np 2 is more than --max-np 1"),
+    (["-np", "1", "--min-np", "2"], "-np 1 is less than --min-np 2"),
     (["--min-np", "2", "--blacklist-cooldown-range", "9", "3"], "cooldown-range 9 3 is not valid"),
     (["-np", "2", "--reset-limit", "2"], "--reset-limit needs an elastic job"),
     (["--host-discovery-script", "d.sh", "-H", "a"], "cannot be used together"),
@@ -145,3 +147,26 @@ def test_elastic_flags_build_settings(tmp_path):
 def test_bad_elastic_flags(argv, message):
     with pytest.raises(LaunchError, match=message.replace("-", r"\-")):
         _config(argv + ["python", "t.py"])
+
+
+def test_a_discovery_script_named_without_a_directory_runs_from_the_working_one(
+        tmp_path, monkeypatch):
+    script = tmp_path / "find.sh"
+    script.write_text("#!/bin/sh\necho h1:2\n")
+    script.chmod(0o755)
+    monkeypatch.chdir(tmp_path)  # not on PATH: it was looked up there and "not found"
+    assert ScriptDiscovery("find.sh").find() == [HostSlots("h1", 2)]
+
+
+def test_an_elastic_job_with_fewer_slots_than_np_says_it_starts_smaller():
+    from hvdlike.launcher.elastic.launch import discovery_for
+
+    config = _config(["-np", "3", "--min-np", "1", "-H", "localhost:2", "python", "t.py"])
+    notes = []
+    _, placed = discovery_for(config, config.elastic, notes.append)
+    assert placed.np == 2
+    assert notes == ["-np 3: 2 slot(s) found; starting with 2, more as slots appear"]
+    notes.clear()
+    config = _config(["-np", "2", "--min-np", "1", "-H", "localhost:2", "python", "t.py"])
+    discovery_for(config, config.elastic, notes.append)
+    assert notes == []
