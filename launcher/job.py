@@ -60,6 +60,26 @@ def check_writable_file(path: str, cwd: str, what: str) -> None:
     if os.path.exists(full) and not os.access(full, os.W_OK) \
             or not os.path.exists(full) and not os.access(folder, os.W_OK | os.X_OK):
         raise LaunchError(f"{what} {path}: permission denied")
+    if not os.path.exists(full):
+        # Permission bits do not tell everything (root, read-only or special file
+        # systems): create it, as the rank will, and leave nothing behind.
+        try:
+            os.close(os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        except FileExistsError:
+            return
+        except OSError as exc:
+            raise LaunchError(f"{what} {path}: cannot be created: "
+                              f"{exc.strerror or exc}") from None
+        os.unlink(full)
+
+
+def _named(field: str, environ) -> str:
+    """The knob's flag and the variable that set it (``HOROVOD_*`` when that one did)."""
+    from hvdlike.core import config as core_config
+
+    knob = core_config.KNOBS_BY_FIELD[field]
+    found = core_config.lookup(environ, knob)
+    return f"{knob.flag} ({found[0] if found else knob.env})"
 
 
 STORE_CONNECT_SECONDS = 5.0
@@ -129,15 +149,16 @@ class Job:
             return
         settings = effective_settings(cfg)
         timeline = configured_path(settings.timeline)
+        environ = {**cfg.environ, **cfg.knob_env}
         for p in self.placements:
             if not self.local[p.host]:
                 continue
             if timeline and ("{rank}" in timeline or p.rank == 0):
                 check_writable_file(timeline.replace("{rank}", str(p.rank)), cfg.cwd,
-                                    "--timeline-filename (HVDLIKE_TIMELINE)")
+                                    _named("timeline", environ))
             if settings.autotune and settings.autotune_log and p.rank == 0:
                 check_writable_file(settings.autotune_log, cfg.cwd,
-                                    "--autotune-log-file (HVDLIKE_AUTOTUNE_LOG)")
+                                    _named("autotune_log", environ))
 
     def __enter__(self) -> "Job":
         self.check()

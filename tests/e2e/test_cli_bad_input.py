@@ -38,6 +38,12 @@ MORE_REASONS = [
     (["-np", "2", "--timeline-filename", "/nonexistent/dir/t.json", "python"],
      "--timeline-filename (HVDLIKE_TIMELINE) /nonexistent/dir/t.json: directory /nonexistent/dir "
      "does not exist"),
+    (["-np", "1", "--timeline-filename", "/proc/t.json", "python"],
+     "--timeline-filename (HVDLIKE_TIMELINE) /proc/t.json: "),  # cannot be created
+    (["-np", "1", "--hostfile", "/dev/zero", "python"],
+     "cannot read hostfile '/dev/zero': is a character device, not a regular file"),
+    (["-np", "1", "-H", "a..b:1", "python"], "host name 'a..b' has an empty part between dots"),
+    (["-np", "2", "--max-np", "1", "python"], "-np 2 is more than --max-np 1"),
     (["-np", "1", "-H", "localhost:\u00b2", "python"], "slots '\u00b2' must be a positive integer"),
     (["-np", "99999999999999999999", "python"], "is more than the limit of 65536"),
     (["-np", "1", "--start-timeout", "1e300", "python"], "--start-timeout '1e300' is not valid"),
@@ -46,6 +52,13 @@ MORE_REASONS = [
     (["-np", "1", "--ssh-option", "=yes", "python"], "--ssh-option '=yes' is not valid"),
     (["-np", "1", "--ssh-option", "Batch Mode=yes", "python"], "is not valid: expected KEY=VALUE"),
 ]
+
+
+def test_a_variable_horovod_named_is_named_in_the_error(capsys, monkeypatch):
+    monkeypatch.setenv("HOROVOD_TIMELINE", "/nonexistent/dir/t.json")
+    assert cli.main(["-np", "1", "python"]) == 2
+    assert "--timeline-filename (HOROVOD_TIMELINE) /nonexistent/dir/t.json" in \
+        capsys.readouterr().err
 
 
 @pytest.mark.parametrize("args, reason", MORE_REASONS)
