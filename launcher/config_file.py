@@ -271,6 +271,30 @@ def _check_keys(mapping: Dict[Any, Any], owner: str, where: str) -> None:
 
 
 def _value_tokens(spec: _Key, value: Any, name: str, where: str) -> List[str]:
+    tokens = _typed_tokens(spec, value, name, where)
+    if spec.kind != _BOOLEAN:
+        _check_range(spec, value, name, where)
+    return tokens
+
+
+def _check_range(spec: _Key, value: Any, name: str, where: str) -> None:
+    """The knob's own check of the value, named by file and key (not by the flag the
+    key becomes, which the user never typed)."""
+    from hvdlike.core import config as core_config
+
+    from .launch_config import knob_environment
+
+    knob = next((k for k in core_config.KNOBS if k.flag == spec.flag), None)
+    if knob is None:
+        return
+    try:
+        knob_environment({knob.field: value})
+    except LaunchError as exc:
+        reason = str(exc).partition(" is not valid: ")[2] or str(exc)
+        raise LaunchError(f"{where}: {name} {_snippet(value)} is not valid: {reason}") from None
+
+
+def _typed_tokens(spec: _Key, value: Any, name: str, where: str) -> List[str]:
     if spec.kind == _BOOLEAN:
         if not isinstance(value, bool):
             raise LaunchError(f"{where}: {name} must be true or false, got {_snippet(value)}")

@@ -57,7 +57,7 @@ def test_an_unknown_allocator_choice_is_refused(capsys):
     (["--np", "0"], "--np: must be at least 1, got 0"),
     (["--rss-steps", "-3"], "--rss-steps: must be 0 (off) or more, got -3"),
     (["--workloads", "train_large,bogus"], "--workloads: unknown ['bogus']; choose from "
-     "train_large, train_small, allreduce, many_small, overhead or none"),
+     "train_large, train_small, allreduce, many_small, overhead, floor or none"),
 ])
 def test_bad_counts_are_refused_before_any_rank_starts(argv, message, monkeypatch):
     def no_ranks(*args, **kwargs):

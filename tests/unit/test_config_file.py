@@ -128,16 +128,16 @@ def test_each_boolean_both_ways(write, section, key, on, off):
     assert to_flags(write(f"{section}:\n  {key}: off\n")) == [off]
 
 
-@pytest.mark.parametrize("section, key, flag", [
-    ("params", "fusion_threshold_mb", "--fusion-threshold-mb"),
-    ("params", "cycle_time_ms", "--cycle-time-ms"),
-    ("autotune", "gaussian_process_noise", "--autotune-gaussian-process-noise"),
-    ("stall_check", "warning_time_seconds", "--stall-check-warning-time-seconds"),
-    ("stall_check", "shutdown_time_seconds", "--stall-check-shutdown-time-seconds"),
-    ("library_options", "gloo_timeout_seconds", "--gloo-timeout-seconds"),
+@pytest.mark.parametrize("section, key, flag, low", [
+    ("params", "fusion_threshold_mb", "--fusion-threshold-mb", 0),
+    ("params", "cycle_time_ms", "--cycle-time-ms", 0),
+    ("autotune", "gaussian_process_noise", "--autotune-gaussian-process-noise", 0),
+    ("stall_check", "warning_time_seconds", "--stall-check-warning-time-seconds", 1),
+    ("stall_check", "shutdown_time_seconds", "--stall-check-shutdown-time-seconds", 0),
+    ("library_options", "gloo_timeout_seconds", "--gloo-timeout-seconds", 1),
 ])
-def test_each_number(write, section, key, flag):
-    assert to_flags(write(f"{section}: {{{key}: 0}}\n")) == [flag, "0"]
+def test_each_number(write, section, key, flag, low):
+    assert to_flags(write(f"{section}: {{{key}: {low}}}\n")) == [flag, str(low)]
     assert to_flags(write(f"{section}: {{{key}: 0.25}}\n")) == [flag, "0.25"]
     assert to_flags(write(f"{section}: {{{key}: 1.0e+3}}\n")) == [flag, "1000.0"]
     # YAML 1.1 reads 1e3 (no dot) as text, as it does a quoted number: say so
@@ -148,15 +148,15 @@ def test_each_number(write, section, key, flag):
     assert message.endswith(f": {section}.{key} must be a number, got 'abc'")
 
 
-@pytest.mark.parametrize("section, key, flag", [
-    ("params", "cache_capacity", "--cache-capacity"),
-    ("autotune", "warmup_samples", "--autotune-warmup-samples"),
-    ("autotune", "steps_per_sample", "--autotune-steps-per-sample"),
-    ("autotune", "bayes_opt_max_samples", "--autotune-bayes-opt-max-samples"),
-    ("library_options", "num_nccl_streams", "--num-nccl-streams"),
+@pytest.mark.parametrize("section, key, flag, low", [
+    ("params", "cache_capacity", "--cache-capacity", 0),
+    ("autotune", "warmup_samples", "--autotune-warmup-samples", 0),
+    ("autotune", "steps_per_sample", "--autotune-steps-per-sample", 1),
+    ("autotune", "bayes_opt_max_samples", "--autotune-bayes-opt-max-samples", 1),
+    ("library_options", "num_nccl_streams", "--num-nccl-streams", 1),
 ])
-def test_each_whole_number(write, section, key, flag):
-    assert to_flags(write(f"{section}: {{{key}: 0}}\n")) == [flag, "0"]
+def test_each_whole_number(write, section, key, flag, low):
+    assert to_flags(write(f"{section}: {{{key}: {low}}}\n")) == [flag, str(low)]
     assert to_flags(write(f"{section}: {{{key}: 0x10}}\n")) == [flag, "16"]
     for bad, shown in (("2.5", "2.5"), ("abc", "'abc'")):
         message = error_of(write(f"{section}: {{{key}: {bad}}}\n"))
@@ -177,19 +177,38 @@ def test_thread_affinity(write):
         ": library_options.thread_affinity must be >= 0, got -1")
 
 
-@pytest.mark.parametrize("section, key, flag", [
-    ("autotune", "log_file", "--autotune-log-file"),
-    ("timeline", "filename", "--timeline-filename"),
-    ("logging", "level", "--log-level"),
+@pytest.mark.parametrize("section, key, flag, value, dashed", [
+    ("autotune", "log_file", "--autotune-log-file", "some value", "-x"),
+    ("timeline", "filename", "--timeline-filename", "some value", "-x"),
+    ("logging", "level", "--log-level", "debug", None),
 ])
-def test_each_string(write, section, key, flag):
-    assert to_flags(write(f"{section}: {{{key}: some value}}\n")) == [flag, "some value"]
-    # a value that looks like a flag stays attached to its own flag
-    assert to_flags(write(f"{section}: {{{key}: '-x'}}\n")) == [f"{flag}=-x"]
+def test_each_string(write, section, key, flag, value, dashed):
+    assert to_flags(write(f"{section}: {{{key}: {value}}}\n")) == [flag, value]
+    if dashed:  # a value that looks like a flag stays attached to its own flag
+        assert to_flags(write(f"{section}: {{{key}: '{dashed}'}}\n")) == [f"{flag}={dashed}"]
     message = error_of(write(f"{section}: {{{key}: ''}}\n"))
     assert message.endswith(f": {section}.{key} must be a non-empty string, got ''")
     message = error_of(write(f"{section}: {{{key}: 5}}\n"))
     assert message.endswith(f": {section}.{key} must be a non-empty string, got 5")
+
+
+@pytest.mark.parametrize("text, ending", [
+    ("library_options: {gloo_timeout_seconds: 0}",
+     "library_options.gloo_timeout_seconds 0 is not valid: expected seconds > 0, at most 1e+08"),
+    ("logging: {level: loud}", "logging.level 'loud' is not valid: expected one of trace, "
+     "debug, info, warning, error, fatal"),
+    ("params: {cycle_time_ms: 100000}", "params.cycle_time_ms 100000 is not valid: expected "
+     "milliseconds >= 0 (float), at most 60000"),
+    ("autotune: {steps_per_sample: 0}", "autotune.steps_per_sample 0 is not valid: expected "
+     "an integer > 0"),
+    ("library_options: {thread_affinity: 'a,b'}", "library_options.thread_affinity 'a,b' is "
+     "not valid: expected comma-separated core ids >= 0, one per local rank"),
+])
+def test_values_out_of_range_are_named_by_file_and_key(write, text, ending):
+    # They were named by the flag each key becomes, which the user never typed.
+    message = error_of(write(text + "\n"))
+    assert message.endswith(": " + ending), message
+    assert "--" not in message.split(": ", 1)[1], message
 
 
 def test_controller(write):
