@@ -182,7 +182,7 @@ class Worker:
             path = os.path.join(self._log_dir, f"rank.{self.rank}", stream)
             try:
                 os.makedirs(os.path.dirname(path), exist_ok=True)
-                log = open(path, "w", encoding="utf-8")
+                log = open(path, "wb")  # the rank's bytes as they came, not re-encoded
             except OSError as exc:  # the rank's output still reaches the launcher's streams
                 self._output.note(f"cannot write {path}: {exc.strerror or exc}")
         try:
@@ -193,7 +193,7 @@ class Worker:
                 self._output.line(self.rank, stream, text)
                 if log:
                     try:
-                        log.write(text + "\n")
+                        log.write(raw)
                         log.flush()
                     except OSError as exc:  # e.g. a full disk: keep forwarding, stop logging
                         self._output.note(f"cannot write {log.name}: {exc.strerror or exc}; "

@@ -44,6 +44,21 @@ def test_output_filename_writes_one_log_per_rank(marker):
         assert (logs / f"rank.{rank}" / "stderr").read_text() == f"err {rank}\n"
 
 
+
+def test_output_files_keep_the_ranks_bytes(marker):
+    # Not UTF-8, no newline at the end: the file holds what the rank wrote; the
+    # terminal shows it with replacement characters.
+    script = write_script(marker, "job.py", """
+        import sys
+        sys.stdout.buffer.write(b"caf\\xe9 \\xff\\xfe\\nlast")
+    """)
+    logs = marker / "logs"
+    code, out, err, _ = run(["-np", "1", "--output-filename", str(logs), "python", script])
+    assert code == 0, err
+    assert (logs / "rank.0" / "stdout").read_bytes() == b"caf\xe9 \xff\xfe\nlast"
+    assert "[0]<stdout>:last" in out
+
+
 def test_knob_flags_and_environment_reach_ranks(marker):
     script = write_script(marker, "job.py", """
         import os
