@@ -35,6 +35,8 @@ def check_local_command(command: List[str], cwd: str, path: Optional[str]) -> No
         raise LaunchError(f"the command is an empty string ({program!r})")
     if os.sep in program:
         full = os.path.join(cwd, program)
+        if os.path.isdir(full):
+            raise LaunchError(f"the command {program} is a directory")
         if not os.path.isfile(full):
             raise LaunchError(f"command not found: {program}")
         if not os.access(full, os.X_OK):

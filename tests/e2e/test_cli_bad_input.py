@@ -29,6 +29,7 @@ MORE_REASONS = [
     (["-H", "a,,b", "python"], "-H/--hosts entry '' is not valid"),
     (["-np", "two", "python"], "argument -np/--num-proc: 'two' is not an integer"),
     (["-np", "1", "./missing.py"], "command not found: ./missing.py"),
+    (["-np", "1", "/tmp"], "the command /tmp is a directory"),
     (["-np", "1"], "no command given"),
     (["-np", "1", "--cycle-time-ms", "soon", "python"], "--cycle-time-ms 'soon' is not valid"),
     (["-np", "1", "--network-interface", "nosuchif0", "true"],
