@@ -7,6 +7,7 @@ order every rank will execute them. Tested without processes.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
@@ -18,6 +19,10 @@ def _mismatch(name: str, what: str, requests: Sequence[Request]) -> str:
     for req in sorted(requests, key=lambda r: r.rank):
         lines.append(f"  rank {req.rank}: {req.describe()}")
     return "\n".join(lines)
+
+
+def _member_failed(name: str, group: str, error: str) -> str:
+    return f"collective {name!r} is a member of group {group!r}, which failed:\n{error}"
 
 
 def _same(requests: Sequence[Request], key) -> bool:
@@ -107,6 +112,10 @@ class Coordinator:
         self._first_seen: Dict[str, float] = {}
         # group name -> completed responses waiting for the rest of the group.
         self._groups: Dict[str, List[Response]] = {}
+        # group name -> (why it failed, rank -> members that rank still owes): a group
+        # fails whole; members arriving after the failure fail at once.
+        self._failed: Dict[str, Tuple[str, Dict[int, int]]] = {}
+        self._refused: List[Response] = []  # such members, answered at the next ready()
         # Readiness times for the timeline, recorded only while ``record_arrivals()``:
         # name -> {rank: when its request was first added}, kept until the name's
         # response is released; ``arrivals`` holds those of the last ready() call.
@@ -121,6 +130,10 @@ class Coordinator:
         now = time.monotonic() if now is None else now
         arrived = self._arrived if self._record_arrivals() else None
         for req in requests:
+            if req.group in self._failed and self._failed[req.group][1].get(req.rank, 0) > 0:
+                self._refused.append(self._group_error(req.name, req.group, [req]))
+                self._owes(req.group, [req.rank])
+                continue
             row = self._table.setdefault(req.name, {})
             self._first_seen.setdefault(req.name, now)
             row[req.rank] = req
@@ -132,7 +145,8 @@ class Coordinator:
 
     def ready(self) -> List[Response]:
         """Responses for every name all (non-joined) ranks have submitted."""
-        out: List[Response] = []
+        out: List[Response] = self._refused
+        self._refused = []
         active = [r for r in range(self.size) if r not in self.joined]
         # While some rank has joined, a collective it cannot stand in for fails at
         # once for whoever submitted it: the others may never submit the same name.
@@ -154,6 +168,13 @@ class Coordinator:
                                 root=self._last_joined, error=resp.error)
                 self.joined.clear()
             group_size = next(iter(row.values())).group_size
+            if resp.group in self._failed:
+                out.append(self._group_error(name, resp.group, list(row.values())))
+                self._owes(resp.group, list(row))
+                continue
+            if resp.group and resp.error:
+                out.extend(self._fail_group(resp, list(row.values())))
+                continue
             if resp.group and group_size > 1 and not resp.error:
                 members = self._groups.setdefault(resp.group, [])
                 members.append(resp)
@@ -163,12 +184,50 @@ class Coordinator:
                 out.extend(members)
             else:
                 out.append(resp)
+        for name in [n for n, row in self._table.items()
+                     if next(iter(row.values())).group in self._failed]:
+            # Members of a failed group that not every rank submitted (a rank
+            # sent more members than another): they fail for whoever sent them.
+            row = self._table.pop(name)
+            self._first_seen.pop(name, None)
+            group = next(iter(row.values())).group
+            out.append(self._group_error(name, group, list(row.values())))
+            self._owes(group, list(row))
         if self._arrived:
             self.arrivals = {r.name: self._arrived.pop(r.name) for r in out
                              if r.name in self._arrived}
         elif self.arrivals:
             self.arrivals = {}
         return out
+
+    def _fail_group(self, resp: Response, requests: Sequence[Request]) -> List[Response]:
+        """``resp``, a group member's error, fails the whole group: members parked
+        waiting for the rest fail with it, later ones as they come (see :meth:`add`)."""
+        parked = self._groups.pop(resp.group, [])
+        owed = {}
+        for req in requests:  # every rank sent this member: each declared its group size
+            owed[req.rank] = max(0, req.group_size - 1 - len(parked))
+        if any(owed.values()):
+            self._failed[resp.group] = (resp.error, owed)
+        return [resp] + [dataclasses.replace(p, error=_member_failed(p.name, resp.group,
+                                                                   resp.error))
+                         for p in parked]
+
+    def _owes(self, group: str, ranks: Sequence[int]) -> None:
+        """Count one member of failed ``group`` from each of ``ranks``; the group is
+        forgotten once no rank owes one (its name may then be used afresh)."""
+        _, owed = self._failed[group]
+        for rank in ranks:
+            if owed.get(rank, 0) > 0:
+                owed[rank] -= 1
+        if not any(owed.values()):
+            del self._failed[group]
+
+    def _group_error(self, name: str, group: str, requests: Sequence[Request]) -> Response:
+        first = requests[0]
+        return Response(name=name, op=first.op, dtype=first.dtype, shape=first.shape,
+                        device=first.device, group=group,
+                        error=_member_failed(name, group, self._failed[group][0]))
 
     def pending(self, now: Optional[float] = None) -> List[Tuple[str, float, List[int]]]:
         """``(name, seconds waiting, ranks missing)`` for every incomplete name."""

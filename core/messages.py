@@ -85,6 +85,8 @@ class Request:
             parts.append(f"root={self.root}")
         if self.splits is not None:
             parts.append(f"splits={list(self.splits)}")
+        if self.group:
+            parts.append(f"(member of group {self.group!r} of {self.group_size})")
         return " ".join(parts)
 
 

@@ -252,3 +252,41 @@ def test_an_object_one_rank_cannot_pickle_fails_every_rank_and_the_job_goes_on()
     for report in results:
         assert report["after"] == [{"rank": 0}, {"rank": 1}], results
         assert report["after_broadcast"] == "fine", results
+
+
+def _grouped_mismatches():
+    import torch
+
+    import hvdlike.torch as hvd
+
+    torch.set_num_threads(1)
+    hvd.init()
+    r = hvd.rank()
+    report = {}
+    # the second member differs: the first had been held back for the group, for good
+    report["second"] = _outcome(lambda: hvd.grouped_allreduce(
+        [torch.ones(2), torch.ones(3 if r == 0 else 4)], op=hvd.Sum, name="g"))
+    # lists of different lengths: the extra member stayed in flight, stalling the job
+    report["length"] = _outcome(lambda: hvd.grouped_allreduce(
+        [torch.ones(2)] * (2 + r), op=hvd.Sum, name="h"))
+    report["dtype"] = _outcome(lambda: hvd.grouped_allgather(
+        [torch.ones(2, 3), torch.ones(2, 3 + r)], name="a"))
+    # the names are free again and the job goes on
+    report["again"] = [t.tolist() for t in hvd.grouped_allreduce(
+        [torch.ones(2), torch.ones(3)], op=hvd.Sum, name="g")]
+    report["after"] = hvd.allreduce(torch.ones(1), op=hvd.Sum, name="after").item()
+    hvd.shutdown()
+    return report
+
+
+def test_a_group_failing_in_any_member_fails_on_every_rank_and_frees_its_names():
+    results = run_ranks(_grouped_mismatches, np=2, timeout=120, env=FAST_DEADLOCK)
+    for r, report in enumerate(results):
+        assert report["second"].startswith("MismatchError: "), report
+        assert "ranks disagree on the shape of collective 'g.1'" in report["second"] or \
+            "member of group" in report["second"], report
+        assert report["length"].startswith("MismatchError: "), report
+        assert "of 2)" in report["length"] and "of 3)" in report["length"], report
+        assert report["dtype"].startswith("MismatchError: "), report
+        assert report["again"] == [[2.0, 2.0], [2.0, 2.0, 2.0]], report
+        assert report["after"] == 2.0, report

@@ -56,6 +56,51 @@ def test_group_is_released_as_one_unit():
     assert [r.name for r in c.ready()] == ["g.0", "g.1"]
 
 
+def _g(name, rank, size=2, shape=(4,)):
+    return _req(name, rank, shape=shape, group="g", group_size=size)
+
+
+def test_a_group_whose_later_member_mismatches_fails_whole():
+    # g.0 agrees and is parked for the rest; g.1 disagrees. g.0 used to wait forever
+    # (no error, no stall report: it had left the table).
+    c = Coordinator(2)
+    c.add([_g("g.0", 0), _g("g.0", 1)])
+    assert c.ready() == []
+    c.add([_g("g.1", 0, shape=(3,)), _g("g.1", 1, shape=(4,))])
+    out = {r.name: r.error for r in c.ready()}
+    assert set(out) == {"g.0", "g.1"} and all(out.values())
+    assert "ranks disagree on the shape of collective 'g.1'" in out["g.1"]
+    assert out["g.0"].startswith("collective 'g.0' is a member of group 'g', which failed:")
+    assert len(c) == 0 and c.pending() == []
+    # The name is free again: the same group submitted afresh runs.
+    c.add([_g("g.0", r) for r in range(2)] + [_g("g.1", r) for r in range(2)])
+    assert [(r.name, r.error) for r in c.ready()] == [("g.0", ""), ("g.1", "")]
+
+
+def test_a_group_whose_first_member_mismatches_leaves_nothing_behind():
+    c = Coordinator(2)
+    c.add([_g("g.0", 0, shape=(3,)), _g("g.0", 1)])
+    assert [r.name for r in c.ready()] == ["g.0"]
+    c.add([_g("g.1", 0)])  # rank 1's g.1 comes in a later cycle
+    out = c.ready()
+    assert [r.name for r in out] == ["g.1"] and "which failed" in out[0].error
+    c.add([_g("g.1", 1)])  # still owed by rank 1: fails at once, never waits
+    out = c.ready()
+    assert [r.name for r in out] == ["g.1"] and "which failed" in out[0].error
+    assert len(c) == 0 and c._failed == {}
+
+
+def test_groups_of_different_sizes_fail_every_member_of_every_rank():
+    c = Coordinator(2)
+    c.add([_g("g.0", 0, size=2), _g("g.1", 0, size=2)])
+    c.add([_g(f"g.{i}", 1, size=3) for i in range(3)])
+    out = {r.name: r.error for r in c.ready()}
+    assert set(out) == {"g.0", "g.1", "g.2"} and all(out.values())
+    assert "rank 0: allreduce float32 4 cpu sum (member of group 'g' of 2)" in out["g.0"]
+    assert "rank 1: allreduce float32 4 cpu sum (member of group 'g' of 3)" in out["g.0"]
+    assert len(c) == 0 and c.pending() == [] and c._failed == {}
+
+
 def test_join_lets_others_proceed_and_reports_last():
     c = Coordinator(3)
     c.add([_req("join", 1, op=OpType.JOIN, dtype="uint8", shape=())])
