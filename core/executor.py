@@ -103,6 +103,7 @@ class Finisher:
         self._queue.put((work, finalize, fail))
 
     def _loop(self) -> None:
+        torch.set_grad_enabled(False)  # this thread's own mode: it records no graph
         while True:
             item = self._queue.get()
             if item is None:
@@ -171,6 +172,12 @@ class Executor:
         self._views.clear()
 
     def execute(self, work: Sequence[Work]) -> None:
+        # Collectives write into tensors that may require grad (allreduce_ of a
+        # parameter, as Horovod allows): no graph is recorded for them, on any thread.
+        with torch.no_grad():
+            self._execute(work)
+
+    def _execute(self, work: Sequence[Work]) -> None:
         runnable = []
         for response, entry in work:
             if response.error:
@@ -383,9 +390,11 @@ class Executor:
             dtype = torch_dtype(response.dtype)
             out = entry.output
             flat = out if out.dim() == 1 else out.view(-1)
-            self._group(response).reduce_parts(parts, flat, self._reduce_options(response, dtype),
-                                               self._op_key(response, dtype))
-            self._post_scale(flat, response)
+            with torch.no_grad():  # see execute()
+                self._group(response).reduce_parts(parts, flat,
+                                                   self._reduce_options(response, dtype),
+                                                   self._op_key(response, dtype))
+                self._post_scale(flat, response)
         except BaseException as exc:
             error = HvdlikeInternalError(f"could not complete collective: {exc}")
             self.complete(entry, None, error)

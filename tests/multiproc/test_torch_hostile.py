@@ -290,3 +290,40 @@ def test_a_group_failing_in_any_member_fails_on_every_rank_and_frees_its_names()
         assert report["dtype"].startswith("MismatchError: "), report
         assert report["again"] == [[2.0, 2.0], [2.0, 2.0, 2.0]], report
         assert report["after"] == 2.0, report
+
+
+def _in_place_on_tensors_that_require_grad():
+    import torch
+
+    import hvdlike.torch as hvd
+
+    torch.set_num_threads(1)
+    hvd.init()
+    r = hvd.rank()
+    report = {}
+    t = torch.full((3,), 1.0 + r, requires_grad=True)
+    out = hvd.allreduce_(t, op=hvd.Sum, name="x")
+    report["in_place"] = (out is t, t.tolist(), t.requires_grad)
+    handles = [hvd.allreduce_async_(torch.full((5,), 1.0 + i, requires_grad=True),
+                                    op=hvd.Sum, name=f"y{i}") for i in range(3)]
+    report["async"] = [hvd.synchronize(h)[0].item() for h in handles]
+    grouped = hvd.grouped_allreduce_([torch.ones(2, requires_grad=True),
+                                      torch.ones(3, requires_grad=True)], op=hvd.Sum, name="g")
+    report["grouped"] = [x.tolist() for x in grouped]
+    b = torch.full((2,), float(r), requires_grad=True)
+    hvd.broadcast_(b, root_rank=1, name="b")
+    report["broadcast"] = b.tolist()
+    report["after"] = hvd.allreduce(torch.ones(1), op=hvd.Sum, name="after").item()
+    hvd.shutdown()
+    return report
+
+
+def test_in_place_collectives_write_into_tensors_that_require_grad():
+    # As Horovod's do (a parameter reduced in place); the shared-memory plane's
+    # out= reductions failed on them, killing the runtime on every rank.
+    results = run_ranks(_in_place_on_tensors_that_require_grad, np=2, timeout=120,
+                        env=FAST_DEADLOCK)
+    for report in results:
+        assert report == {"in_place": (True, [3.0, 3.0, 3.0], True), "async": [2.0, 4.0, 6.0],
+                          "grouped": [[2.0, 2.0], [2.0, 2.0, 2.0]], "broadcast": [1.0, 1.0],
+                          "after": 2.0}, report
