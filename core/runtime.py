@@ -26,7 +26,7 @@ import threading
 import time
 from typing import Dict, List, Mapping, Optional, Sequence
 
-from . import autotune, bootstrap, config as config_mod, generation_keys, store_wait
+from . import agreement, autotune, bootstrap, config as config_mod, generation_keys, store_wait
 from . import world as world_mod
 from .deadlock import Waits
 from .errors import SHUT_DOWN_UNDER, ConfigError, HvdlikeError, HvdlikeInternalError
@@ -223,6 +223,8 @@ class Runtime:
 
         self.job_store.generation_key = generation_key(environ)  # elastic: this generation's
         self.store = self._logged_store()
+        agreement.check(self.store, self.store_prefix, topology.rank, topology.size, cfg,
+                        cfg.start_timeout, self._watch_peers(), lambda: self.fatal)
         local_addr = rendezvous.gloo_iface
         if not local_addr:
             local_addr = (bootstrap.local_address_towards(rendezvous.addr, rendezvous.port)

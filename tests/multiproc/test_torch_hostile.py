@@ -327,3 +327,37 @@ def test_in_place_collectives_write_into_tensors_that_require_grad():
         assert report == {"in_place": (True, [3.0, 3.0, 3.0], True), "async": [2.0, 4.0, 6.0],
                           "grouped": [[2.0, 2.0], [2.0, 2.0, 2.0]], "broadcast": [1.0, 1.0],
                           "after": 2.0}, report
+
+
+def _init_with_knobs():
+    import torch
+
+    import hvdlike.torch as hvd
+
+    torch.set_num_threads(1)
+    try:
+        hvd.init()
+    except Exception as exc:  # noqa: BLE001 - the test compares what each rank saw
+        return f"{type(exc).__name__}: {exc}"
+    r = hvd.rank()
+    handles = [hvd.allreduce_async(torch.ones(4) * (r + 1) * (j + 1), op=hvd.Sum, name=f"k{j}")
+               for j in range(5)]
+    sums = [hvd.synchronize(h)[0].item() for h in handles]
+    hvd.shutdown()
+    return sums
+
+
+def test_ranks_whose_shared_settings_differ_fail_init_alike():
+    # Different fusion thresholds fused different buffers: rank 1 got wrong sums
+    # without an error. Now init() fails on every rank, naming the variable.
+    results = run_ranks(_init_with_knobs, np=2, timeout=120, per_rank_env=lambda r: {
+        "HVDLIKE_FUSION_THRESHOLD": "0" if r == 0 else "134217728"})
+    assert results[0] == results[1], results
+    assert results[0] == (
+        "ConfigError: init: the ranks disagree on settings every rank of a job must share "
+        "(set them alike on every rank, or only in the launcher's environment):\n"
+        "  HVDLIKE_FUSION_THRESHOLD (or HOROVOD_FUSION_THRESHOLD): rank 0 0, rank 1 134217728")
+    # Alike through either name: no error, the right sums.
+    results = run_ranks(_init_with_knobs, np=2, timeout=120, per_rank_env=lambda r: {
+        ("HVDLIKE_FUSION_THRESHOLD" if r == 0 else "HOROVOD_FUSION_THRESHOLD"): "1000"})
+    assert results == [[3.0, 6.0, 9.0, 12.0, 15.0]] * 2, results
