@@ -185,7 +185,7 @@ class Coordinator:
             else:
                 out.append(resp)
         for name in [n for n, row in self._table.items()
-                     if next(iter(row.values())).group in self._failed]:
+                     if self._failed and next(iter(row.values())).group in self._failed]:
             # Members of a failed group that not every rank submitted (a rank
             # sent more members than another): they fail for whoever sent them.
             row = self._table.pop(name)
