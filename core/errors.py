@@ -27,9 +27,12 @@ class HvdlikeInternalError(HvdlikeError):
 HorovodInternalError = HvdlikeInternalError
 
 # How a collective ends when a peer shut the job down under it; the rest of the
-# message names the peers (``: rank R on HOST ...``). The launcher reads it in a
-# failed rank's last lines to blame the peer that went first.
+# message names the peers (``: rank R on HOST ...``). The launcher reads it (and
+# SHUT_DOWN's) in a failed rank's last lines to blame the peer that went first.
 SHUT_DOWN_UNDER = "hvdlike was shut down before this collective completed"
+# How a call ends that comes after such a shutdown (the same ``: rank R on HOST``
+# follows when the peers said why).
+SHUT_DOWN = "hvdlike has shut down"
 
 
 class MismatchError(HvdlikeInternalError, ValueError):

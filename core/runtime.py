@@ -29,7 +29,7 @@ from typing import Dict, List, Mapping, Optional, Sequence
 from . import agreement, autotune, bootstrap, config as config_mod, generation_keys, store_wait
 from . import world as world_mod
 from .deadlock import Waits
-from .errors import SHUT_DOWN_UNDER, ConfigError, HvdlikeError, HvdlikeInternalError
+from .errors import SHUT_DOWN, SHUT_DOWN_UNDER, ConfigError, HvdlikeError, HvdlikeInternalError
 from .executor import CompletionHooks
 from .handles import Handle, finish_many
 from .health import Health, words_probe
@@ -110,6 +110,7 @@ class Runtime:
         self._here = threading.local()  # .held: this thread is inside cycles_here()
         self.waits = Waits()  # user threads blocked in wait(), for the deadlock check
         self._stopped = threading.Event()
+        self._stop_error: Optional[HvdlikeInternalError] = None
         self._closed = False
         self._thread: Optional[threading.Thread] = None
         self._counters: Dict[str, int] = {}
@@ -445,7 +446,9 @@ class Runtime:
         if self.fatal is not None:
             return self.fatal
         if self._stopped.is_set():
-            return HvdlikeInternalError("hvdlike has shut down")
+            if self._stop_error is None:  # once: naming the peers reads the store
+                self._stop_error = HvdlikeInternalError(self._shutdown_reason(SHUT_DOWN))
+            return self._stop_error
         return None
 
     # -- submission --------------------------------------------------------------
@@ -936,9 +939,9 @@ class Runtime:
             self.tuned, self.autotuner = self.autotuner.settled, None
         state.executor.execute(work)
 
-    def _shutdown_reason(self) -> str:
-        """Why pending collectives cannot complete after a negotiated shutdown."""
-        text = SHUT_DOWN_UNDER
+    def _shutdown_reason(self, text: str = SHUT_DOWN_UNDER) -> str:
+        """Why pending collectives cannot complete after a negotiated shutdown
+        (``text``, then the ranks that announced they went away and why)."""
         if self.health is None:
             return text
         try:

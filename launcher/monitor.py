@@ -25,7 +25,7 @@ import threading
 import time
 from typing import IO, Callable, Deque, Dict, List, Optional, Sequence
 
-from ..core.errors import SHUT_DOWN_UNDER
+from ..core.errors import SHUT_DOWN, SHUT_DOWN_UNDER
 from .hosts import RankPlacement
 
 TAIL_LINES = 10
@@ -482,8 +482,9 @@ def root_cause(workers: Sequence[Worker], first: Worker, window: float = ROOT_CA
 def _shut_down_by(worker: Worker) -> List[int]:
     """The ranks ``worker``'s last lines say shut the job down under its collective."""
     for text in reversed(worker.stderr_tail):
-        at = text.find(SHUT_DOWN_UNDER + ": ")
-        if at >= 0:
-            return [int(r) for r in re.findall(r"(?:^|; )rank (\d+) on ",
-                                               text[at + len(SHUT_DOWN_UNDER) + 2:])]
+        for phrase in (SHUT_DOWN_UNDER + ": ", SHUT_DOWN + ": "):
+            at = text.find(phrase)
+            if at >= 0:
+                return [int(r) for r in re.findall(r"(?:^|; )rank (\d+) on ",
+                                                   text[at + len(phrase):])]
     return []

@@ -361,3 +361,30 @@ def test_ranks_whose_shared_settings_differ_fail_init_alike():
     results = run_ranks(_init_with_knobs, np=2, timeout=120, per_rank_env=lambda r: {
         ("HVDLIKE_FUSION_THRESHOLD" if r == 0 else "HOROVOD_FUSION_THRESHOLD"): "1000"})
     assert results == [[3.0, 6.0, 9.0, 12.0, 15.0]] * 2, results
+
+
+def _one_rank_shuts_down_early():
+    import time
+
+    import torch
+
+    import hvdlike.torch as hvd
+
+    torch.set_num_threads(1)
+    hvd.init()
+    r = hvd.rank()
+    hvd.allreduce(torch.ones(1), name="a")
+    if r == 1:
+        hvd.shutdown()
+        time.sleep(3)
+        return "left"
+    time.sleep(1.5)
+    return _outcome(lambda: hvd.allreduce(torch.ones(1), name="x"))
+
+
+def test_a_call_after_a_peer_shut_the_job_down_names_the_peer():
+    results = run_ranks(_one_rank_shuts_down_early, np=2, timeout=120)
+    assert results[1] == "left"
+    assert results[0].startswith("HvdlikeInternalError: cannot submit 'x': hvdlike has shut "
+                                 "down: rank 1 on "), results
+    assert "shut down (called shutdown() or its script ended)" in results[0], results

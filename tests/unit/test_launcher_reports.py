@@ -120,6 +120,11 @@ def test_root_cause_is_the_rank_whose_exit_shut_the_job_down_under_its_peer():
     # Outside the window, or naming a rank that did not fail, the first failure stands.
     assert root_cause([first, _failed(1, 7, 13.0)], first) is first
     assert root_cause([first, _failed(2, 7, 10.3)], first) is first
+    # The same for a call made after the shutdown (not one under way).
+    late = _failed(0, 1, 10.0)
+    late.stderr_tail.append("HvdlikeInternalError: cannot submit 'x': hvdlike has shut down: "
+                            "rank 1 on localhost (pid 4242) shut down (called shutdown())")
+    assert root_cause([late, leaver], late) is leaver
     # Two ranks each blaming the other: no cause to prefer.
     other = _failed(1, 1, 10.1)
     other.stderr_tail.append("HvdlikeInternalError: hvdlike was shut down before this "
