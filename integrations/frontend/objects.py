@@ -76,10 +76,20 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set
     data = _broadcast(data, root_rank, f"{name}.data", process_set)
     if failure is not None:
         raise failure
-    value = cloudpickle.loads(data.numpy().tobytes())
+    value = _unpickled(data.numpy().tobytes(), "broadcast_object", f"rank {root_rank}'s")
     if isinstance(value, _Unpicklable):
         value.raise_here("broadcast_object")
     return value
+
+
+def _unpickled(data: bytes, what: str, whose: str):
+    """The object in ``data``; an error saying whose object could not be rebuilt here
+    (a class this process cannot import, a ``__setstate__`` that raises) otherwise."""
+    try:
+        return cloudpickle.loads(data)
+    except Exception as exc:
+        raise RuntimeError(f"{what}: {whose} object could not be unpickled on this rank: "
+                           f"{type(exc).__name__}: {exc}") from exc
 
 
 def allgather_object(obj, name=None, process_set=global_process_set) -> list:
@@ -93,8 +103,11 @@ def allgather_object(obj, name=None, process_set=global_process_set) -> list:
     if failure is not None:
         raise failure
     out, start = [], 0
-    for n in sizes.tolist():
-        out.append(cloudpickle.loads(data[start:start + n].numpy().tobytes()))
+    members = getattr(process_set, "ranks", None)
+    for i, n in enumerate(sizes.tolist()):
+        rank = members[i] if members else i
+        out.append(_unpickled(data[start:start + n].numpy().tobytes(), "allgather_object",
+                              f"rank {rank}'s"))
         start += n
     for value in out:
         if isinstance(value, _Unpicklable):

@@ -388,3 +388,40 @@ def test_a_call_after_a_peer_shut_the_job_down_names_the_peer():
     assert results[0].startswith("HvdlikeInternalError: cannot submit 'x': hvdlike has shut "
                                  "down: rank 1 on "), results
     assert "shut down (called shutdown() or its script ended)" in results[0], results
+
+
+class _FailsToRebuild:
+    def __reduce__(self):
+        return (int, ("not a number",))
+
+
+def _objects_that_do_not_unpickle():
+    import torch
+
+    import hvdlike.torch as hvd
+
+    torch.set_num_threads(1)
+    hvd.init()
+    r = hvd.rank()
+    report = {
+        "broadcast": _outcome(lambda: hvd.broadcast_object(
+            _FailsToRebuild() if r == 0 else None, root_rank=0)),
+        "allgather": _outcome(lambda: hvd.allgather_object(_FailsToRebuild() if r == 1 else r)),
+        "after": hvd.allgather_object(r),
+    }
+    hvd.shutdown()
+    return report
+
+
+def test_an_object_that_cannot_be_rebuilt_is_named_as_such_on_every_rank():
+    # It surfaced as the unpickler's bare ValueError, saying nothing of where it came from.
+    results = run_ranks(_objects_that_do_not_unpickle, np=2, timeout=120)
+    for report in results:
+        assert report == {
+            "broadcast": "RuntimeError: broadcast_object: rank 0's object could not be "
+                         "unpickled on this rank: ValueError: invalid literal for int() with "
+                         "base 10: 'not a number'",
+            "allgather": "RuntimeError: allgather_object: rank 1's object could not be "
+                         "unpickled on this rank: ValueError: invalid literal for int() with "
+                         "base 10: 'not a number'",
+            "after": [0, 1]}, report
