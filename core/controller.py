@@ -213,9 +213,19 @@ class Controller:
 
         invalidated = total[n:2 * n]
         if any(invalidated):
+            groups = set()
             for slot, bad in enumerate(invalidated):
                 if bad:
+                    entry = self._cached.get(slot)
+                    if entry is not None and entry.request.group:
+                        groups.add(entry.request.group)
                     self._evict(slot)
+            if groups:
+                # A group is negotiated whole: its members still waiting on valid
+                # slots here go to the coordinator with the invalidated one, as
+                # they did on the rank whose request changed (a partly cached group).
+                for slot in [s for s, e in self._cached.items() if e.request.group in groups]:
+                    self._miss(self._cached.pop(slot))
         joined = flags[FLAG_JOINED]
         self._run_cached([slot for slot, votes in enumerate(total[:n])
                           if votes and (votes % (self.size + 1)) + joined >= self.size

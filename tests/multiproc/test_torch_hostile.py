@@ -263,7 +263,11 @@ def _grouped_mismatches():
     hvd.init()
     r = hvd.rank()
     report = {}
+    # the same group first agrees a few times: its responses are cached
+    report["cached"] = [[t.tolist() for t in hvd.grouped_allreduce(
+        [torch.ones(2), torch.ones(3)], op=hvd.Sum, name="g")] for _ in range(3)]
     # the second member differs: the first had been held back for the group, for good
+    # (cached, the rank whose member still agreed kept waiting on its cache slot)
     report["second"] = _outcome(lambda: hvd.grouped_allreduce(
         [torch.ones(2), torch.ones(3 if r == 0 else 4)], op=hvd.Sum, name="g"))
     # lists of different lengths: the extra member stayed in flight, stalling the job
@@ -288,6 +292,7 @@ def test_a_group_failing_in_any_member_fails_on_every_rank_and_frees_its_names()
         assert report["length"].startswith("MismatchError: "), report
         assert "of 2)" in report["length"] and "of 3)" in report["length"], report
         assert report["dtype"].startswith("MismatchError: "), report
+        assert report["cached"] == [[[2.0, 2.0], [2.0, 2.0, 2.0]]] * 3, report
         assert report["again"] == [[2.0, 2.0], [2.0, 2.0, 2.0]], report
         assert report["after"] == 2.0, report
 
