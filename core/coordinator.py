@@ -216,6 +216,8 @@ class Coordinator:
     def _owes(self, group: str, ranks: Sequence[int]) -> None:
         """Count one member of failed ``group`` from each of ``ranks``; the group is
         forgotten once no rank owes one (its name may then be used afresh)."""
+        if group not in self._failed:
+            return
         _, owed = self._failed[group]
         for rank in ranks:
             if owed.get(rank, 0) > 0:
@@ -227,7 +229,8 @@ class Coordinator:
         first = requests[0]
         return Response(name=name, op=first.op, dtype=first.dtype, shape=first.shape,
                         device=first.device, group=group,
-                        error=_member_failed(name, group, self._failed[group][0]))
+                        error=_member_failed(name, group, self._failed.get(
+                            group, ("another of its members failed",))[0]))
 
     def pending(self, now: Optional[float] = None) -> List[Tuple[str, float, List[int]]]:
         """``(name, seconds waiting, ranks missing)`` for every incomplete name."""

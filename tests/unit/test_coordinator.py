@@ -101,6 +101,16 @@ def test_groups_of_different_sizes_fail_every_member_of_every_rank():
     assert len(c) == 0 and c.pending() == [] and c._failed == {}
 
 
+def test_a_rank_sending_more_members_than_it_declared_does_not_break_the_coordinator():
+    # Not something a front end does (names in flight are unique); still no KeyError.
+    c = Coordinator(2)
+    c.add([_g("g.0", 0, size=2), _g("g.0", 1, size=1)])  # rank 1 owes nothing more
+    c.add([_g("g.1", 0), _g("g.2", 0)])  # rank 0 owes one, sends two
+    out = c.ready()
+    assert [r.name for r in out] == ["g.0", "g.1", "g.2"] and all(r.error for r in out)
+    assert c._failed == {}
+
+
 def test_join_lets_others_proceed_and_reports_last():
     c = Coordinator(3)
     c.add([_req("join", 1, op=OpType.JOIN, dtype="uint8", shape=())])
