@@ -133,6 +133,11 @@ class Job:
                 raise LaunchError(f"--output-filename {cfg.output_dir}: "
                                   f"{exc.strerror or exc}{where}") from None
         self._check_rank_files()
+        key = cfg.ssh.identity_file
+        if self.remote_hosts and key and not os.path.isfile(
+                os.path.join(cfg.cwd, os.path.expanduser(key))):
+            # ssh would go on without it and fail later on a password prompt it cannot show
+            raise LaunchError(f"-i/--ssh-identity-file {key}: no such file")
         if self.remote_hosts and cfg.preflight and not cfg.use_srun:
             checks = check_hosts(self.remote_hosts, cfg.ssh, cfg.remote_python, cfg.cwd,
                                  cfg.command[0], path or "", cfg.start_timeout,
@@ -158,6 +163,9 @@ class Job:
             if timeline and ("{rank}" in timeline or p.rank == 0):
                 check_writable_file(timeline.replace("{rank}", str(p.rank)), cfg.cwd,
                                     _named("timeline", environ))
+            if settings.autotune_log and not settings.autotune and p.rank == 0:
+                self.output.note(f"{_named('autotune_log', environ)} is ignored without "
+                                 "--autotune (HVDLIKE_AUTOTUNE=1)")
             if settings.autotune and settings.autotune_log and p.rank == 0:
                 check_writable_file(settings.autotune_log, cfg.cwd,
                                     _named("autotune_log", environ))

@@ -30,6 +30,8 @@ MORE_REASONS = [
     (["-np", "two", "python"], "argument -np/--num-proc: 'two' is not an integer"),
     (["-np", "1", "./missing.py"], "command not found: ./missing.py"),
     (["-np", "1", "/tmp"], "the command /tmp is a directory"),
+    (["-np", "1", "-H", "10.0.0.99:1", "-i", "/nonexistent/key", "python"],
+     "-i/--ssh-identity-file /nonexistent/key: no such file"),
     (["-np", "1"], "no command given"),
     (["-np", "1", "--cycle-time-ms", "soon", "python"], "--cycle-time-ms 'soon' is not valid"),
     (["-np", "1", "--network-interface", "nosuchif0", "true"],
@@ -53,6 +55,13 @@ MORE_REASONS = [
     (["-np", "1", "--ssh-option", "=yes", "python"], "--ssh-option '=yes' is not valid"),
     (["-np", "1", "--ssh-option", "Batch Mode=yes", "python"], "is not valid: expected KEY=VALUE"),
 ]
+
+
+def test_an_autotune_log_without_autotune_is_said_to_be_ignored(capsys, tmp_path):
+    assert cli.main(["-np", "1", "--autotune-log-file", str(tmp_path / "a.csv"),
+                     sys.executable, "-c", "pass"]) == 0
+    assert "--autotune-log-file (HVDLIKE_AUTOTUNE_LOG) is ignored without --autotune" in \
+        capsys.readouterr().err
 
 
 def test_a_variable_horovod_named_is_named_in_the_error(capsys, monkeypatch):
