@@ -134,7 +134,7 @@ class Job:
                                   f"{exc.strerror or exc}{where}") from None
         self._check_rank_files()
         key = cfg.ssh.identity_file
-        if self.remote_hosts and key and not os.path.isfile(
+        if self.remote_hosts and key and not cfg.use_srun and not os.path.isfile(
                 os.path.join(cfg.cwd, os.path.expanduser(key))):
             # ssh would go on without it and fail later on a password prompt it cannot show
             raise LaunchError(f"-i/--ssh-identity-file {key}: no such file")
