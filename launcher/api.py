@@ -123,17 +123,12 @@ def _check_env(env) -> Dict[str, str]:
     return dict(env)
 
 
-def _knob_env(knobs) -> Dict[str, str]:
+def _knob_env(knobs: Mapping[str, Any]) -> Dict[str, str]:
     """``HVDLIKE_*`` variables for ``knobs`` given by knob field, in the knob's own unit.
 
     ``True``/``False`` turn a boolean knob on or off (an automatic one too);
     every value is checked by the knob's parser, and an unknown field is refused.
     """
-    if knobs is None:
-        return {}
-    if not isinstance(knobs, Mapping):
-        raise TypeError(f"hvdlike.run: knobs must be a mapping of knob field to value, got "
-                        f"{type(knobs).__name__}")
     env: Dict[str, str] = {}
     for field, value in knobs.items():
         knob = core_config.KNOBS_BY_FIELD.get(field)

@@ -13,6 +13,8 @@ import shutil
 import sys
 from typing import Dict, List, Optional
 
+from hvdlike.core import config as core_config
+
 from . import env as rank_env
 from . import slurm
 from .errors import LaunchError
@@ -77,8 +79,6 @@ def check_writable_file(path: str, cwd: str, what: str) -> None:
 
 def _named(field: str, environ) -> str:
     """The knob's flag and the variable that set it (``HOROVOD_*`` when that one did)."""
-    from hvdlike.core import config as core_config
-
     knob = core_config.KNOBS_BY_FIELD[field]
     found = core_config.lookup(environ, knob)
     return f"{knob.flag} ({found[0] if found else knob.env})"

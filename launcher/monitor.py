@@ -347,7 +347,7 @@ def monitor(workers: Sequence[Worker], output: Output, grace_seconds: float,
     result = RunResult(exit_code=0, workers=list(workers))
     live = {w.rank: w for w in workers}
     stopping_since: Optional[float] = None
-    # (when, why): a stop held back while the ranks a failed rank blames are exiting
+    # (until when, why, the ranks blamed): a stop held back while those ranks exit
     deferred: Optional[tuple] = None
     interrupts = 0
 
@@ -422,15 +422,15 @@ def monitor(workers: Sequence[Worker], output: Output, grace_seconds: float,
                         result.exit_code = _exit_code_for(code)
                         why = (f"rank {worker.rank} on host {worker.host} "
                                f"{describe_exit(code, worker.remote)}")
-                        if any(r in live for r in _shut_down_by(worker)):
+                        blamed = _shut_down_by(worker)
+                        if any(r in live for r in blamed):
                             # The ranks it blames are on their way out: let them end
                             # with their own status before stopping them.
-                            deferred = (clock() + ROOT_CAUSE_WINDOW, why)
+                            deferred = (clock() + ROOT_CAUSE_WINDOW, why, blamed)
                         else:
                             stop_all(why)
             if deferred is not None and (clock() >= deferred[0] or result.interrupted
-                                         or not any(r in live for r in
-                                                    _shut_down_by(result.failure))):
+                                         or not any(r in live for r in deferred[2])):
                 stop_all(deferred[1])
                 deferred = None
             if stopping_since is not None and clock() - stopping_since > grace_seconds + 10:
