@@ -41,8 +41,11 @@ import math
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
+from hvdlike.core import config as core_config
+
 from . import small_file
 from .errors import LaunchError
+from .launch_config import knob_environment
 
 MAX_BYTES = 64 * 1024
 """The largest config file read (64 KiB). A real one is well under 2 KiB; the cap
@@ -280,10 +283,6 @@ def _value_tokens(spec: _Key, value: Any, name: str, where: str) -> List[str]:
 def _check_range(spec: _Key, value: Any, name: str, where: str) -> None:
     """The knob's own check of the value, named by file and key (not by the flag the
     key becomes, which the user never typed)."""
-    from hvdlike.core import config as core_config
-
-    from .launch_config import knob_environment
-
     knob = next((k for k in core_config.KNOBS if k.flag == spec.flag), None)
     if knob is None:
         return

@@ -118,11 +118,11 @@ def port_arg(value: Any, name: str) -> Optional[int]:
 
 
 def seconds_arg(value: Any, name: str) -> float:
-    """A number of seconds as the ``start_timeout`` knob takes it (> 0)."""
+    """A number of seconds as the knob of field ``name`` takes it."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise LaunchError(f"hvdlike.run: {name}={value!r} is not a number of seconds")
     try:
-        return float(core_config.KNOBS_BY_FIELD["start_timeout"].parse(str(float(value))))
+        return float(core_config.KNOBS_BY_FIELD[name].parse(str(float(value))))
     except ValueError as exc:
         raise LaunchError(f"hvdlike.run: {name}={value!r} is not valid: expected {exc}") \
             from None

@@ -92,7 +92,8 @@ def _run_script(argv: Sequence[str], timeout: float) -> tuple:
         raise OSError(2, "no such file")
     # The file that was found, even when named without a directory (``find.sh``
     # would otherwise be looked up on PATH and reported missing).
-    proc = subprocess.run([os.path.abspath(argv[0])] + list(argv[1:]), capture_output=True, text=True, timeout=timeout,
+    proc = subprocess.run([os.path.abspath(argv[0])] + list(argv[1:]), capture_output=True,
+                          text=True, timeout=timeout,
                           stdin=subprocess.DEVNULL)
     return proc.returncode, proc.stdout, proc.stderr
 
