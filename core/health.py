@@ -46,29 +46,46 @@ STORE_LOST_SECONDS = 5.0  # unreachable this long (and 5 intervals): its host is
 PEER_QUIET_SECONDS = 5.0  # rank 0 at an abort: a peer silent this long is not waited for
 
 
-def word_of(store, rank: int) -> Optional[str]:
+def exited_key(rank: int) -> str:
+    """Where ``hvdlike-run`` (static jobs) records how launched rank ``rank``'s
+    process ended, outside any runtime's prefix: a rank that ends without ever
+    calling ``init()`` (or before a later one) leaves no word of its own, and
+    the ranks waiting for it learn from this key instead of their timeout."""
+    return f"launcher/exited/{rank}"
+
+
+def word_of(store, rank: int, exits=None) -> Optional[str]:
     """What ``rank`` left in ``store`` about its end -- its own reason, or the
-    elastic launcher's for it (``protocol.lost_key``), or a goodbye -- if anything."""
-    def read(key: str) -> Optional[bytes]:
-        return store.get(key) if store.check([key]) else None
+    elastic launcher's for it (``protocol.lost_key``), or a goodbye -- if anything;
+    else, given ``exits`` (the job's unprefixed store), how the launcher saw its
+    process end (:func:`exited_key`)."""
+    def read(key: str, where=store) -> Optional[bytes]:
+        return where.get(key) if where.check([key]) else None
 
     try:
         said = read(f"health/shutdown/{rank}")
         if said is not None:
             return said.decode()
-        return "shut down" if read(f"health/bye/{rank}") is not None else None
+        if read(f"health/bye/{rank}") is not None:
+            return "shut down"
+        if exits is not None:
+            ended = read(exited_key(rank), exits)
+            if ended is not None:
+                return ended.decode()
+        return None
     except StoreTamperedError as exc:
         return str(exc)
 
 
-def words_probe(store) -> Callable[[Sequence[int]], str]:
+def words_probe(store, exits=None) -> Callable[[Sequence[int]], str]:
     """A probe (see :mod:`.store_wait`) that knows only what ranks left in the store:
     for the sets built before the watcher starts, when no heartbeat moves yet.
     In an elastic job it names a rank the launcher saw end while the
-    generation was forming."""
+    generation was forming; with ``exits`` (see :func:`word_of`), a rank whose
+    process ``hvdlike-run`` saw end."""
     def probe(ranks: Sequence[int]) -> str:
         try:
-            words = {r: word_of(store, r) for r in ranks}
+            words = {r: word_of(store, r, exits) for r in ranks}
         except Exception:  # the store is unreachable: the wait's own timeout reports it
             return ""
         return "; ".join(f"rank {r} {word}" for r, word in words.items() if word is not None)
@@ -85,8 +102,10 @@ class Health:
                  members: Callable[[int], List[int]] = None,
                  blocked_since: Callable[[], Optional[float]] = lambda: None,
                  joins: Callable[[], List[tuple]] = lambda: [],
-                 store_lost: Optional[Callable[[BaseException], None]] = None):
+                 store_lost: Optional[Callable[[BaseException], None]] = None,
+                 exits=None):
         self.store = store
+        self._exits = exits  # see word_of
         self.rank = rank
         self.size = size
         self.cfg = cfg
@@ -447,4 +466,4 @@ class Health:
 
     def _word(self, rank: int) -> Optional[str]:
         """What ``rank`` (or the launcher, for it) left in the store about its end, if anything."""
-        return self._store_op(lambda: word_of(self.store, rank))
+        return self._store_op(lambda: word_of(self.store, rank, self._exits))

@@ -331,7 +331,8 @@ class Runtime:
                                  topology.hostname, cfg, self.sets.waiting_since,
                                  self._set_fatal, self.sets.members,
                                  self.waits.blocked_since, self.sets.joins,
-                                 store_lost=self._store_lost)
+                                 store_lost=self._store_lost,
+                                 exits=self._launcher_exits(health_store))
         self.sets.start()
         self.recording.start()
         if topology.rank == 0:
@@ -786,7 +787,20 @@ class Runtime:
         Before the health watcher starts (:meth:`build` registers the sets given
         to ``init`` before it) only what ranks or the launcher left in the store."""
         health = self.health
-        return health.watch() if health is not None else words_probe(self.store)
+        if health is not None:
+            return health.watch()
+        return words_probe(self.store, self._launcher_exits(self.store))
+
+    def _launcher_exits(self, log: generation_keys.KeyLog):
+        """The unprefixed store ``hvdlike-run`` records rank exits in (see
+        ``health.exited_key``), or None where they do not name this runtime's
+        ranks: other launchers, elastic jobs (a rank's number changes with the
+        generation; the driver reports under the generation's keys instead)
+        and ``init(comm=[ranks])`` (ranks renumbered)."""
+        if (self.rendezvous.launcher != "hvdlike-run" or self.world_tag
+                or self.store_prefix.startswith("elastic")):
+            return None
+        return log.inner
 
     def _store_lost(self, error: BaseException) -> None:
         """The health watcher lost the store for good. Once every rank has agreed

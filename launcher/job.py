@@ -21,7 +21,7 @@ from .errors import LaunchError
 from .hosts import RankPlacement, assign_ranks
 from .launch_config import LaunchConfig
 from .local_exec import helper_command
-from .monitor import Output, RunResult, Worker, monitor
+from .monitor import Output, RunResult, Worker, describe_exit, monitor
 from .preflight import check_hosts, require_all_ok
 from .remote import missing_interpreter
 from .rendezvous import StoreServer, choose_address, is_local, new_secret
@@ -252,7 +252,30 @@ class Job:
             if worker.remote:
                 worker.start_delay = start_delay(p.topology.local_rank)
             workers.append(worker)
-        return monitor(workers, self.output, self.config.grace_seconds)
+        return monitor(workers, self.output, self.config.grace_seconds,
+                       on_exit=self._exit_reporter())
+
+    def _exit_reporter(self):
+        """Records each rank's end in the store (``health.exited_key``), so ranks
+        still waiting for it -- to start, or in a later ``init()`` -- fail at once
+        naming it instead of waiting out their timeout. Elastic jobs report
+        through their driver instead."""
+        from hvdlike.core.health import exited_key
+
+        store = []
+
+        def report(worker: Worker) -> None:
+            try:
+                if not store:
+                    store.append(self.store.client())
+                store[0].set(exited_key(worker.rank),
+                             f"{describe_exit(worker.exit_code, worker.remote)} "
+                             "(seen by hvdlike-run)")
+            except Exception as exc:  # the ranks' own timeouts still end their waits
+                self._verbose(f"could not record rank {worker.rank}'s exit in the store: "
+                              f"{exc}")
+
+        return report
 
 
 def print_dry_run(job: Job, stream=None) -> None:

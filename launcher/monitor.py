@@ -330,7 +330,8 @@ class _Interrupts:
 
 
 def monitor(workers: Sequence[Worker], output: Output, grace_seconds: float,
-            clock: Callable[[], float] = time.monotonic) -> RunResult:
+            clock: Callable[[], float] = time.monotonic,
+            on_exit: Optional[Callable[[Worker], None]] = None) -> RunResult:
     """Start every worker and wait until all have ended.
 
     Args:
@@ -339,6 +340,8 @@ def monitor(workers: Sequence[Worker], output: Output, grace_seconds: float,
         grace_seconds: time a helper gets between SIGTERM and SIGKILL of its rank;
             helpers still alive ``grace_seconds + 10`` s after a stop are killed.
         clock: monotonic clock (a seam for tests).
+        on_exit: called with each worker as its exit is taken in (its
+            ``exit_code`` set), while the others may still run.
 
     Returns:
         The run's result; ``exit_code`` is 0 only if every rank succeeded.
@@ -429,6 +432,8 @@ def monitor(workers: Sequence[Worker], output: Output, grace_seconds: float,
                             deferred = (clock() + ROOT_CAUSE_WINDOW, why, blamed)
                         else:
                             stop_all(why)
+                if on_exit is not None:
+                    on_exit(worker)
             if deferred is not None and (clock() >= deferred[0] or result.interrupted
                                          or not any(r in live for r in deferred[2])):
                 stop_all(deferred[1])

@@ -126,3 +126,31 @@ def test_launcher_killed_outright_leaves_nothing_behind(marker):
         assert not wait_until_gone(str(marker), timeout=15)
     finally:
         kill_session(proc.pid)
+
+
+@pytest.mark.parametrize("when", ["before_init", "before_reinit"])
+def test_a_rank_that_exits_0_without_coming_is_named_by_the_ranks_waiting_for_it(marker, when):
+    # Rank 1 ends cleanly while rank 0 waits for it in init(): before, rank 0
+    # waited out --start-timeout and then knew only that rank 1 "did not take
+    # part"; hvdlike-run saw the exit and says so through the store at once.
+    script = marker / "job.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, sys, torch
+        torch.set_num_threads(1)
+        import hvdlike.torch as hvd
+        rank = int(os.environ["HVDLIKE_RANK"])
+        if {when == "before_reinit"!r}:
+            hvd.init()
+            hvd.allreduce(torch.ones(2))
+            hvd.shutdown()
+        if rank == 1:
+            sys.exit(0)
+        hvd.init()
+        print("rank 0 joined with", hvd.size(), "ranks")
+    """))
+    code, out, err, _ = run(["-np", "2", "--start-timeout", "600", "python", str(script)],
+                            timeout=120)
+    assert code == 1, err
+    assert "rank 1 exited with code 0 (seen by hvdlike-run)" in err, err
+    assert "joined with" not in out
+    assert "did not take part within" not in err
