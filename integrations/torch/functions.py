@@ -8,6 +8,7 @@ mismatch error instead of a hang.
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -56,19 +57,62 @@ def broadcast_parameters(params, root_rank: int = 0, process_set=global_process_
 
     Raises:
         TypeError: ``params`` is not a mapping or pairs of names and tensors.
-        ValueError: a name appears twice.
+        ValueError: a name appears twice, ``root_rank`` is not a member of the
+            set, or the ranks' names differ (on every rank, naming the
+            differences: before any value moves, the ranks compare a digest
+            of their names, as DDP compares parameter shapes at construction).
 
     Example:
         >>> hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     """
+    named = _named_tensors(params, "broadcast_parameters")
+    ops.core.check_root(root_rank, ops.api.size(), "broadcast_parameters")
+    if process_set.included() is not False and root_rank not in process_set.ranks:
+        raise ValueError(f"broadcast_parameters: root_rank {root_rank} is not a member "
+                         f"of {process_set!r}")
+    _agree_on_names([name for name, _ in named], root_rank, process_set)
     handles = []
-    for name, tensor in _named_tensors(params, "broadcast_parameters"):
+    for name, tensor in named:
         # detach(): the data plane writes the storage; autograd must not see it.
         handles.append(ops.broadcast_async_(tensor.detach(), root_rank,
                                             name=f"broadcast_parameters.{name}",
                                             process_set=process_set))
     for handle in handles:
         ops.synchronize(handle)
+
+
+def _agree_on_names(names: List[str], root_rank: int, process_set) -> None:
+    """Raise the same ValueError on every rank of ``process_set`` unless all pass
+    the same set of ``names``. One small allgather (count and digest of the
+    sorted names); the names themselves travel only when they differ."""
+    ordered = sorted(names)
+    digest = hashlib.blake2b("\0".join(ordered).encode(), digest_size=8).digest()
+    mine = torch.tensor([[len(ordered), int.from_bytes(digest, "little", signed=True)]],
+                        dtype=torch.int64)
+    gathered = ops.allgather(mine, name="broadcast_parameters.names", process_set=process_set)
+    if bool((gathered == gathered[0]).all()):
+        return
+    members = list(process_set.ranks)
+    lists = allgather_object(ordered, process_set=process_set)
+    root = set(lists[members.index(root_rank)])
+    misfits = []
+    for rank, theirs in zip(members, lists):
+        extra, missing = sorted(set(theirs) - root), sorted(root - set(theirs))
+        parts = []
+        if extra:
+            parts.append(f"has {_some(extra)} that rank {root_rank} lacks")
+        if missing:
+            parts.append(f"lacks {_some(missing)}")
+        if parts:
+            misfits.append(f"rank {rank} " + " and ".join(parts))
+    raise ValueError("broadcast_parameters: the ranks pass different names (root rank "
+                     f"{root_rank}): " + "; ".join(misfits)
+                     + "; pass the same model's parameters on every rank")
+
+
+def _some(names: List[str], most: int = 5) -> str:
+    shown = ", ".join(repr(n) for n in names[:most])
+    return shown if len(names) <= most else f"{shown} and {len(names) - most} more"
 
 
 class _TensorSlot:

@@ -430,3 +430,39 @@ def test_an_object_that_cannot_be_rebuilt_is_named_as_such_on_every_rank():
                          "unpickled on this rank: ValueError: invalid literal for int() with "
                          "base 10: 'not a number'",
             "after": [0, 1]}, report
+
+
+def _differing_state_dicts():
+    import torch
+
+    import hvdlike.torch as hvd
+
+    torch.set_num_threads(1)
+    hvd.init()
+    r = hvd.rank()
+    torch.manual_seed(r)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+    state = model.state_dict()
+    if r == 1:  # a rank that built its model differently: one key more, one less
+        state["extra.weight"] = torch.zeros(1)
+        del state["0.bias"]
+    outcome = _outcome(lambda: hvd.broadcast_parameters(state, root_rank=0))
+    # Same names in another order are fine, and the values then agree.
+    items = list(model.state_dict().items())
+    hvd.broadcast_parameters(items[::-1] if r == 1 else items, root_rank=0)
+    weights = hvd.allgather(model[0].weight.detach().reshape(1, -1), name="weights")
+    hvd.shutdown()
+    return outcome, bool((weights[0] == weights[1]).all())
+
+
+def test_broadcast_parameters_with_different_names_fails_on_every_rank_naming_them():
+    # Before, rank 0 returned and rank 1 waited for 'extra.weight' until the
+    # deadlock check ended the job.
+    results = run_ranks(_differing_state_dicts, np=2, timeout=120,
+                        env={"HVDLIKE_DEADLOCK_TIME_SECONDS": "300"})
+    for outcome, same in results:
+        assert outcome == ("ValueError: broadcast_parameters: the ranks pass different names "
+                           "(root rank 0): rank 1 has 'extra.weight' that rank 0 lacks and "
+                           "lacks '0.bias'; pass the same model's parameters on every rank"), \
+            outcome
+        assert same
