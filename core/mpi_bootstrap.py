@@ -20,7 +20,7 @@ import random
 import re
 import socket
 import sys
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import List, Mapping, Optional, Sequence, Tuple
 
 from .errors import ConfigError
 from .job_secret import new_secret
@@ -264,6 +264,16 @@ def _split_top_level(text: str) -> List[str]:
     return [part.strip() for part in parts if part.strip()]
 
 
+# More nodes than any Slurm cluster has: a node list or per-node count that
+# expands past this is refused before it is built (a typo such as node[1-99999999]
+# would otherwise take minutes and gigabytes).
+MAX_NODES = 100_000
+
+
+def _too_many(text: str, name: str = "node list") -> ConfigError:
+    return ConfigError(f"{name} {text!r} names more than {MAX_NODES} nodes")
+
+
 def _expand_one(name: str, text: str) -> List[str]:
     """Expand one host expression; every ``[...]`` group multiplies the names."""
     open_at = name.find("[")
@@ -281,15 +291,21 @@ def _expand_one(name: str, text: str) -> List[str]:
         high = high or low
         if not (low.isdigit() and high.isdigit()) or int(high) < int(low):
             raise ConfigError(f"node list {text!r} is not valid: bad range {part!r}")
+        if len(numbers) + int(high) - int(low) >= MAX_NODES:
+            raise _too_many(text)
         numbers += [f"{n:0{len(low)}d}" for n in range(int(low), int(high) + 1)]
-    return [prefix + n + tail for n in numbers for tail in _expand_one(rest, text)]
+    tails = _expand_one(rest, text)
+    if len(numbers) * len(tails) > MAX_NODES:
+        raise _too_many(text)
+    return [prefix + n + tail for n in numbers for tail in tails]
 
 
 def expand_nodelist(text: str) -> List[str]:
     """Expand a Slurm node list into host names, in Slurm's order.
 
     Raises:
-        ConfigError: unbalanced brackets or a malformed range.
+        ConfigError: unbalanced brackets, a malformed range, or more than
+            ``MAX_NODES`` names.
 
     Example:
         >>> expand_nodelist("node[1-3,5],gpu[01-02]")
@@ -298,6 +314,8 @@ def expand_nodelist(text: str) -> List[str]:
     hosts: List[str] = []
     for name in _split_top_level(text):
         hosts += _expand_one(name, text)
+        if len(hosts) > MAX_NODES:
+            raise _too_many(text)
     return hosts
 
 
@@ -341,7 +359,10 @@ def expand_tasks_per_node(text: str, name: str = "SLURM_TASKS_PER_NODE") -> List
         match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
         if not match:
             raise ConfigError(f"{name}={text!r} is not valid: expected counts like 2(x3),1")
-        counts.extend([int(match.group(1))] * int(match.group(2) or 1))
+        repeat = int(match.group(2) or 1)
+        if len(counts) + repeat > MAX_NODES:
+            raise _too_many(text, name)
+        counts.extend([int(match.group(1))] * repeat)
     return counts
 
 

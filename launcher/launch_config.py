@@ -123,6 +123,10 @@ def knob_environment(values: Mapping[str, object]) -> Dict[str, str]:
                 scaled = math.nan
             if not math.isfinite(scaled):
                 raise LaunchError(f"{knob.flag} {value!r} is not valid: expected a number")
+            if isinstance(knob.default, int) and 0 < scaled < 1:
+                # It would round to 0, which means something else (fusion off).
+                raise LaunchError(f"{knob.flag} {value!r} is less than one byte; pass 0 if "
+                                  "that is what you mean")
             # floor, not int(): a negative fraction must stay negative for the knob to refuse.
             text = str(math.floor(scaled)) if isinstance(knob.default, int) else repr(scaled)
         else:

@@ -28,16 +28,15 @@ import math
 import sys
 import threading
 import time
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from hvdlike.core.bootstrap import ENV_LAUNCHER
 from hvdlike.core.config import KNOBS_BY_FIELD
-from hvdlike.core.elastic import protocol
 from hvdlike.core.errors import HvdlikeError
 from hvdlike.launcher import env as rank_env
 from hvdlike.launcher.api import RankError
 from hvdlike.launcher.elastic.discovery import LastGood
-from hvdlike.launcher.elastic.driver import WAIT_MARGIN_SECONDS, ElasticDriver
+from hvdlike.launcher.elastic.driver import ElasticDriver
 from hvdlike.launcher.elastic.settings import ElasticSettings, validate
 from hvdlike.launcher.errors import LaunchError
 from hvdlike.launcher.hosts import HostSlots, RankPlacement

@@ -52,6 +52,8 @@ def test_hostfile(tmp_path):
     (["-np", "2", "--ssh-option", "novalue", "python"], "KEY=VALUE"),
     (["-np", "2", "--fusion-threshold-mb", "lots", "python"], "--fusion-threshold-mb"),
     (["-np", "2", "--cycle-time-ms", "-1", "python"], "--cycle-time-ms"),
+    # under one byte it would round to 0, i.e. fusion off
+    (["-np", "2", "--fusion-threshold-mb", "1e-7", "python"], "'1e-7' is less than one byte"),
     (["-np", "2", "--log-level", "chatty", "python"], "--log-level"),
     (["-np", "2", "--mpi", "--gloo", "python"], "cannot be used together"),
 ])

@@ -29,6 +29,22 @@ def test_malformed_nodelist_is_refused(text):
         expand_nodelist(text)
 
 
+@pytest.mark.parametrize("text", ["node[1-99999999]", "a[1-1000]b[1-1000]",
+                                  "n[1-60000],m[1-60000]", "n[1-50000,1-50001]"])
+def test_a_node_list_naming_more_nodes_than_a_cluster_has_is_refused_unbuilt(text):
+    with pytest.raises(ConfigError, match="names more than 100000 nodes"):
+        expand_nodelist(text)
+    assert len(expand_nodelist("n[1-100000]")) == 100000  # the largest accepted
+
+
+def test_a_huge_hand_written_allocation_is_a_launch_error():
+    with pytest.raises(LaunchError, match="cannot read the Slurm allocation: node list "
+                                          "'n\\[1-99999999\\]' names more than"):
+        slurm.allocation_hosts({**SALLOC, "SLURM_JOB_NODELIST": "n[1-99999999]"})
+    with pytest.raises(LaunchError, match="SLURM_TASKS_PER_NODE '1\\(x100000000\\)'"):
+        slurm.allocation_hosts({**SALLOC, "SLURM_TASKS_PER_NODE": "1(x100000000)"})
+
+
 def test_expand_tasks_per_node():
     assert expand_tasks_per_node("2(x3),1") == [2, 2, 2, 1]
     assert expand_tasks_per_node("4") == [4]
