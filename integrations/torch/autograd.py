@@ -9,10 +9,11 @@ classes here. The backward rules are Horovod's, so a model ported from
 forward                     backward (``g`` = grad of the output on each rank)
 ==========================  ===================================================
 allreduce Sum / Average     allreduce of ``g`` with the same op and scale factors
-grouped_allreduce           grouped allreduce of the gradients (Sum / Average)
+grouped_allreduce           the same, tensor by tensor
 allreduce Min / Max         ``sum(g)`` to the ranks holding the extreme value,
-                            shared equally between ties (Horovod cannot
-                            differentiate these; a superset)
+                            shared equally between ties (Horovod reduces
+                            ``g`` with Min / Max instead)
+allreduce Product / Adasum  forward only: a backward through it raises
 allgather                   this rank's rows of ``mean(g)`` over the set
 grouped_allgather           the same, tensor by tensor
 broadcast                   ``mean(g)`` over the set on the root, zeros elsewhere
@@ -89,14 +90,34 @@ class _GroupedAllreduce(torch.autograd.Function):
         outs = ops.grouped_allreduce([t.detach() for t in tensors], name=name,
                                      compression=compression, op=op, prescale_factor=prescale,
                                      postscale_factor=postscale, process_set=process_set)
+        if op in (ops.Min, ops.Max):
+            ctx.save_for_backward(*[t.detach() for t in tensors], *outs)
         return tuple(outs)
 
     @staticmethod
     def backward(ctx, *grads):
         name, op, prescale, postscale, process_set, compression = ctx.args
-        outs = ops.grouped_allreduce([g.contiguous() for g in grads], name=_grad_name(name),
-                                     compression=compression, op=op, prescale_factor=prescale,
-                                     postscale_factor=postscale, process_set=process_set)
+        gname = _grad_name(name)
+        grads = [g.contiguous() for g in grads]
+        if op in (ops.Sum, ops.Average):
+            outs = ops.grouped_allreduce(grads, name=gname, compression=compression, op=op,
+                                         prescale_factor=prescale, postscale_factor=postscale,
+                                         process_set=process_set)
+        elif op in (ops.Min, ops.Max):
+            # Per tensor as for allreduce: the gradient goes to the ranks holding
+            # the extreme, shared among ties.
+            saved = ctx.saved_tensors
+            count = len(grads)
+            masks = [(t == o).to(g.dtype)
+                     for t, o, g in zip(saved[:count], saved[count:], grads)]
+            ties = ops.grouped_allreduce(masks, name=None if gname is None else f"{gname}.ties",
+                                         op=ops.Sum, process_set=process_set)
+            totals = ops.grouped_allreduce(grads, name=gname, op=ops.Sum,
+                                           process_set=process_set)
+            outs = [m * t / n.clamp_min(1) for m, t, n in zip(masks, totals, ties)]
+        else:
+            raise RuntimeError(f"grouped_allreduce with op {ops.ReduceOp(op).name.title()} is "
+                               "not differentiable")
         return (None,) * 6 + tuple(outs)
 
 
@@ -233,15 +254,14 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
 def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
                       prescale_factor=1.0, postscale_factor=1.0,
                       process_set=global_process_set):
-    """Allreduce a list of tensors as one unit; differentiable for Sum and Average."""
+    """Allreduce a list of tensors as one unit; differentiable as :func:`allreduce` is
+    (Sum, Average, Min, Max; with Product or Adasum the forward runs and only a
+    backward through it raises)."""
     if not (isinstance(tensors, (list, tuple)) and any(_wants_grad(t) for t in tensors)):
         return ops.grouped_allreduce(tensors, average, name, compression, op, prescale_factor,
                                      postscale_factor, process_set)
     reduce_op = ops.core.check_op(ops._reduce_op(average, op, "grouped_allreduce"),
                                   "grouped_allreduce")
-    if reduce_op not in (ops.Sum, ops.Average):
-        raise ValueError("grouped_allreduce is differentiable for op Sum or Average only, "
-                         f"got {reduce_op.name.title()}; detach the inputs")
     return list(_GroupedAllreduce.apply(name, reduce_op, prescale_factor, postscale_factor,
                                         process_set, compression, *tensors))
 

@@ -25,14 +25,19 @@ def _named_tensors(params, what: str) -> List[Tuple[str, torch.Tensor]]:
     if isinstance(params, dict):
         items = list(params.items())
     elif isinstance(params, (str, bytes)) or not hasattr(params, "__iter__"):
-        raise TypeError(f"{what} expects a state_dict or (name, tensor) pairs such as "
-                        f"model.named_parameters(), got {type(params).__name__}")
+        raise TypeError(f"{what} expects a state_dict, (name, tensor) pairs such as "
+                        f"model.named_parameters() or tensors such as model.parameters(), got "
+                        f"{type(params).__name__}")
     else:
         items = list(params)
     out, seen = [], set()
     for i, item in enumerate(items):
+        if isinstance(item, torch.Tensor):
+            # model.parameters(), as Horovod accepts: named by position
+            item = (f"[{i}]", item)
         if not (isinstance(item, tuple) and len(item) == 2):
-            raise TypeError(f"{what}: item {i} is not a (name, tensor) pair: {item!r:.80}")
+            raise TypeError(f"{what}: item {i} is neither a tensor nor a (name, tensor) pair: "
+                            f"{item!r:.80}")
         name, tensor = item
         if tensor is None:
             continue
@@ -50,13 +55,14 @@ def broadcast_parameters(params, root_rank: int = 0, process_set=global_process_
     """Overwrite ``params`` on every rank with ``root_rank``'s values, in place.
 
     Args:
-        params: ``model.state_dict()`` or ``model.named_parameters()`` (any
-            iterable of ``(name, tensor)``); names must match across ranks.
+        params: ``model.state_dict()``, ``model.named_parameters()`` (any
+            iterable of ``(name, tensor)``) or ``model.parameters()`` (tensors,
+            named by their position); names must match across ranks.
         root_rank: the rank whose values win.
         process_set: broadcast within this process set only.
 
     Raises:
-        TypeError: ``params`` is not a mapping or pairs of names and tensors.
+        TypeError: ``params`` is not a mapping, tensors or pairs of names and tensors.
         ValueError: a name appears twice, ``root_rank`` is not a member of the
             set, or the ranks' names differ (on every rank, naming the
             differences: before any value moves, the ranks compare a digest

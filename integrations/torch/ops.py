@@ -272,15 +272,20 @@ def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
 
 
 def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set) -> Handle:
-    """Start an alltoall; ``splits[i]`` rows of ``tensor`` go to rank ``i``."""
+    """Start an alltoall; ``splits[i]`` rows of ``tensor`` go to rank ``i``.
+
+    ``synchronize()`` of the handle returns ``(received, received_splits)``
+    whether or not ``splits`` was given, as Horovod's does (only the
+    synchronous :func:`alltoall` drops the splits when none were passed).
+    """
     return _submit([_alltoall_entry(tensor, splits, name, process_set)], process_set)[0]
 
 
-def _alltoall_entry(tensor, splits, name, process_set):
+def _alltoall_entry(tensor, splits, name, process_set, bare: bool = False):
     _check_device(tensor, "alltoall")
     entry = core.alltoall_entry(tensor, splits, _set_size(process_set),
                                 _name(name, "alltoall", process_set))
-    if splits is None:
+    if bare:
         entry.finish = lambda result: result[0]
     return entry
 
@@ -292,7 +297,8 @@ def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
     ``(received, received_splits)`` where ``received_splits[i]`` rows came
     from rank ``i``.
     """
-    return _run(_alltoall_entry(tensor, splits, name, process_set), process_set)
+    return _run(_alltoall_entry(tensor, splits, name, process_set, bare=splits is None),
+                process_set)
 
 
 # -- reducescatter -------------------------------------------------------------------

@@ -179,8 +179,6 @@ class _Distributed:
     def _hvd_build_groups(self, num_groups, groups) -> None:
         dense = [p for p in self._hvd_ordered_params() if p.requires_grad]
         if groups is not None:
-            if num_groups:
-                raise ValueError("DistributedOptimizer: pass num_groups or groups, not both")
             if not isinstance(groups, (list, tuple)):
                 raise TypeError("DistributedOptimizer: groups must be a list of lists of "
                                 f"parameters, got {type(groups).__name__}")
@@ -201,8 +199,12 @@ class _Distributed:
             if not isinstance(num_groups, int) or num_groups < 0:
                 raise ValueError(f"DistributedOptimizer: num_groups must be a non-negative int, "
                                  f"got {num_groups!r}")
-            per = -(-len(dense) // num_groups) if dense else 0
-            member_lists = [dense[i:i + per] for i in range(0, len(dense), per)] if per else []
+            # Nearly equal sizes, the first ``len % n`` groups one longer (as Horovod
+            # splits); more groups than parameters leaves the extra ones out.
+            each, longer = divmod(len(dense), num_groups)
+            member_lists = [dense[i * each + min(i, longer):(i + 1) * each + min(i + 1, longer)]
+                            for i in range(num_groups)]
+            member_lists = [members for members in member_lists if members]
             for gi, members in enumerate(member_lists):
                 for p in members:
                     self._hvd_group_of[id(p)] = gi
@@ -343,15 +345,16 @@ class _Distributed:
         pass ran since the last synchronization.
         """
         self._hvd_register_all()  # parameters unfrozen or added since
+        if self._hvd_included and self._hvd_open():
+            deferred, self._hvd_deferred = self._hvd_deferred, []
+            self._hvd_defer = not _overlaps_cpu()  # for the next round
+            # No core is idle: this thread, which waits for them anyway, runs the
+            # reductions held back to now (Runtime.cycles_here).
+            with _core_api.runtime().cycles_here() if deferred else contextlib.nullcontext():
+                self._hvd_finish(deferred)
+        # Only once it succeeded: after a failure (an elastic reset) the next
+        # step() must synchronize without warning.
         self._hvd_synchronized = True
-        if not self._hvd_included or not self._hvd_open():
-            return
-        deferred, self._hvd_deferred = self._hvd_deferred, []
-        self._hvd_defer = not _overlaps_cpu()  # for the next round
-        # No core is idle: this thread, which waits for them anyway, runs the
-        # reductions held back to now (Runtime.cycles_here).
-        with _core_api.runtime().cycles_here() if deferred else contextlib.nullcontext():
-            self._hvd_finish(deferred)
 
     def _hvd_finish(self, deferred: List[tuple]) -> None:
         """synchronize()'s work: start what is held back or not started, wait for all."""
@@ -469,6 +472,25 @@ class _Distributed:
         for bucket in self._hvd_buckets:
             bucket.release()  # where a plain loop drops its gradients (see buckets.py)
         return super().zero_grad(set_to_none=set_to_none)
+
+    def load_state_dict(self, state_dict) -> None:
+        """Load the wrapped optimizer's state, abandoning the round in progress
+        (as Horovod's does): gradients counted or reductions started since the
+        last step are forgotten, so the next backward passes start a new round
+        -- what a restore from a checkpoint or an elastic commit needs."""
+        self._hvd_abandon_round()
+        return super().load_state_dict(state_dict)
+
+    def _hvd_abandon_round(self) -> None:
+        self._hvd_handles = {}
+        self._hvd_deferred = []
+        self._hvd_passes = {}
+        self._hvd_group_ready = {}
+        self._hvd_resparse = {}
+        self._hvd_round_open = False
+        self._hvd_synchronized = False
+        self._hvd_should_sync = True
+        self._hvd_reset_buckets()
 
     def add_param_group(self, param_group) -> None:
         super().add_param_group(param_group)
@@ -608,6 +630,20 @@ def _check_named_parameters(named_parameters, param_groups) -> Dict[torch.Tensor
     return names
 
 
+def _group_arguments(num_groups, groups) -> tuple:
+    """``(num_groups, groups)`` as the optimizer uses them: Horovod's ``groups=<int>``
+    becomes a group count, and ``groups`` wins over the deprecated ``num_groups``."""
+    if num_groups:
+        warnings.warn("DistributedOptimizer: num_groups is deprecated; pass groups=<int> "
+                      "instead", DeprecationWarning, stacklevel=3)
+    if groups is None or isinstance(groups, (list, tuple)):
+        return (0 if groups is not None else num_groups), groups
+    if isinstance(groups, bool) or not isinstance(groups, int) or groups <= 0:
+        raise ValueError("DistributedOptimizer: groups must be a positive int or a list of "
+                         f"lists of parameters, got {groups!r}")
+    return groups, None
+
+
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
                          backward_passes_per_step: int = 1, op=ops.Average,
                          gradient_predivide_factor: float = 1.0, num_groups: int = 0,
@@ -630,9 +666,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
             (Horovod's Adasum optimizer, see adasum_optimizer.py).
         gradient_predivide_factor: with Average, divide by this before the sum
             and by ``size/factor`` after it.
-        num_groups: split trainable parameters into this many groups, each
-            reduced as one grouped allreduce once all its gradients are ready.
-        groups: explicit list of parameter lists (instead of ``num_groups``).
+        num_groups: deprecated spelling of ``groups=<int>`` (warns, as Horovod's).
+        groups: an int ``n`` -- split the trainable parameters into ``n``
+            groups of nearly equal size, each reduced as one grouped allreduce
+            once all its gradients are ready -- or an explicit list of
+            parameter lists. Given, it wins over ``num_groups``.
         sparse_as_dense: reduce sparse gradients as dense tensors instead of
             gathering their indices and values.
         process_set: reduce among the ranks of this process set only.
@@ -677,6 +715,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     if not (hasattr(compression, "compress") and hasattr(compression, "decompress")):
         raise TypeError("DistributedOptimizer: compression needs compress() and decompress() "
                         "(use Compression.none/.fp16/.bf16 or a Compressor subclass)")
+    num_groups, groups = _group_arguments(num_groups, groups)
     cls = None
     if op == ops.Adasum:
         # Horovod's Adasum optimizer: Adasum of each rank's local step (adasum_optimizer.py);

@@ -137,7 +137,10 @@ class SyncBatchNorm(_BatchNorm):
                              f"{input.shape[1]} channels")
 
     def _synchronizes(self) -> bool:
-        return (self.training and current.get() is not None
+        # Batch statistics are used -- and shared -- in training and, without
+        # running statistics, in eval mode too (as Horovod's layer does; torch's
+        # own SyncBatchNorm keeps eval-mode batch statistics local).
+        return ((self.training or self.running_mean is None) and current.get() is not None
                 and self.process_set.size() > 1)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:

@@ -260,3 +260,90 @@ def test_timeline_dynamic_writes_nothing_until_start_timeline(tmp_path):
     assert results[0] == ([], True), results
     assert results[1] == ([], None), results
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tl0.json"]
+
+
+def _ported_calls():
+    import warnings
+
+    import torch
+    import torch.nn as nn
+
+    import hvdlike.torch as hvd
+
+    torch.set_num_threads(1)
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    out = {}
+    # synchronize() of an alltoall handle is (output, received_splits) even without splits
+    t = torch.arange(2 * n, dtype=torch.float32) + 10 * r
+    result = hvd.synchronize(hvd.alltoall_async(t))
+    received, splits = result
+    out["alltoall_async"] = (received.tolist(), splits.tolist())
+    out["alltoall"] = hvd.alltoall(t).tolist()  # the synchronous form: the tensor alone
+    # broadcast_parameters(model.parameters()): a list of tensors, named by position
+    torch.manual_seed(r)
+    model = nn.Linear(3, 2)
+    hvd.broadcast_parameters(list(model.parameters()), root_rank=1)
+    out["params"] = [p.detach().flatten().tolist() for p in model.parameters()]
+    # grouped_allreduce with Max on tensors that require grad: the forward runs, and the
+    # gradient goes to the rank holding the maximum (rank 1 here)
+    a = torch.tensor([float(r), 5.0 - r], requires_grad=True)
+    b = torch.tensor([2.0 * r], requires_grad=True)
+    ma, mb = hvd.grouped_allreduce([a, b], op=hvd.Max)
+    (ma.sum() + 3 * mb.sum()).backward()
+    out["grouped_max"] = (ma.tolist(), mb.tolist(), a.grad.tolist(), b.grad.tolist())
+    prod = hvd.grouped_allreduce([a * 1.0], op=hvd.Product)[0]
+    try:
+        prod.sum().backward()
+        out["product_backward"] = "no error"
+    except RuntimeError as exc:
+        out["product_backward"] = str(exc)
+    # load_state_dict abandons the round in progress (here: one of two backward passes)
+    torch.manual_seed(0)
+    net = nn.Linear(2, 1)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1),
+                                   named_parameters=net.named_parameters(),
+                                   backward_passes_per_step=2)
+    saved = opt.state_dict()
+    net(torch.ones(1, 2)).sum().backward()
+    opt.load_state_dict(saved)
+    opt.zero_grad()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            net(torch.full((1, 2), float(r + 1))).sum().backward()
+        opt.step()
+    out["after_load"] = (net.weight.grad.tolist(), [str(w.message) for w in caught])
+    # SyncBatchNorm without running statistics normalizes with the global batch in eval too
+    bn = hvd.SyncBatchNorm(2, track_running_stats=False, affine=False).eval()
+    x = torch.arange(6, dtype=torch.float32).reshape(3, 2) * (r + 1)
+    out["bn_eval"] = bn(x).tolist()
+    everyone = torch.cat([torch.arange(6, dtype=torch.float32).reshape(3, 2) * (k + 1)
+                          for k in range(n)])
+    out["bn_expected"] = torch.nn.functional.batch_norm(
+        everyone, None, None, training=True)[3 * r:3 * r + 3].tolist()
+    hvd.shutdown()
+    return out
+
+
+def test_calls_ported_from_horovod_torch_behave_as_there():
+    results = run_ranks(_ported_calls, np=2, timeout=120)
+    for r, out in enumerate(results):
+        received, splits = out["alltoall_async"]
+        assert received == [2.0 * r, 2.0 * r + 1, 10 + 2.0 * r, 11 + 2.0 * r]
+        assert splits == [2, 2]
+        assert out["alltoall"] == received
+        assert out["params"] == results[1]["params"]
+        ma, mb, ga, gb = out["grouped_max"]
+        assert ma == [1.0, 5.0] and mb == [2.0]
+        # Max of a[0] is rank 1's, of a[1] rank 0's; b's max is rank 1's (2 ranks x 3)
+        assert ga == ([0.0, 2.0] if r == 0 else [2.0, 0.0]), ga
+        assert gb == ([0.0] if r == 0 else [6.0]), gb
+        assert "grouped_allreduce with op Product is not differentiable" in \
+            out["product_backward"]
+        grad, caught = out["after_load"]
+        # two fresh passes on each rank (inputs r + 1), averaged: (2*1 + 2*2) / 2 = 3
+        assert grad == [[3.0, 3.0]], grad
+        assert caught == [], caught
+        for got, want in zip(out["bn_eval"], out["bn_expected"]):
+            assert all(abs(g - w) < 1e-5 for g, w in zip(got, want)), (got, want)

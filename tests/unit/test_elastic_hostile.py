@@ -115,7 +115,12 @@ def test_set_epoch_and_load_state_dict_reject_bad_values_naming_them(monkeypatch
     with pytest.raises(TypeError, match="'processed_indices' must be an iterable"):
         sampler.load_state_dict({"epoch": 0, "processed_indices": 3})
     # nothing half-loaded
-    assert sampler.state_dict() == {"epoch": 0, "processed_indices": []} and len(sampler) == 6
+    assert sampler.state_dict() == {"epoch": 0, "processed_indices": [], "processed_num": 0}
+    assert len(sampler) == 6
+    with pytest.raises(TypeError, match="'processed_num' must be an integer"):
+        sampler.load_state_dict({"epoch": 0, "processed_num": "2"})
+    with pytest.raises(ValueError, match="'processed_num' must be >= 0"):
+        sampler.load_state_dict({"epoch": 0, "processed_num": -1})
 
 
 def test_state_dict_round_trips_including_horovods_sets(monkeypatch):
@@ -134,6 +139,26 @@ def test_state_dict_round_trips_including_horovods_sets(monkeypatch):
     third.load_state_dict({"epoch": np.int64(3),
                            "processed_indices": set(map(np.int64, saved["processed_indices"]))})
     assert third.state_dict() == saved and list(third) == list(first)
+
+
+def test_horovods_processed_num_counts_and_its_state_dicts_load(monkeypatch):
+    # Horovod >= 0.24 counts processed samples (processed_num) and saves
+    # {'epoch', 'processed_num'}: the first processed_num samples of the epoch's order.
+    _fake_job(monkeypatch, 2, 1)
+    sampler = _sampler(12, shuffle=True, seed=7)
+    sampler.set_epoch(2)
+    assert sampler.processed_num == 0
+    sampler.record_batch(0, 2)
+    sampler.record_batch(1, 2)
+    assert sampler.processed_num == 8  # 2 batches of 2 on each of 2 ranks
+    assert sampler.state_dict()["processed_num"] == 8
+    order = sampler._order()
+    other = _sampler(12, shuffle=True, seed=7)
+    other.load_state_dict({"epoch": 2, "processed_num": 4})
+    assert other.epoch == 2 and other.processed_indices == set(order[:4])
+    assert len(other) == 4 and sorted(other.remaining_indices) == sorted(order[4:])
+    other.processed_num = 6  # Horovod scripts assign it too
+    assert other.processed_indices == set(order[:6])
 
 
 def test_a_sampler_built_before_init_deals_for_the_job_once_initialized(monkeypatch):

@@ -62,7 +62,8 @@ def test_rejects_duplicate_and_missing_names():
     ({"backward_passes_per_step": "2"}, "backward_passes_per_step"),
     ({"op": hvd.Sum, "gradient_predivide_factor": 2.0}, "gradient_predivide_factor"),
     ({"op": hvd.Max}, "op must be"),
-    ({"num_groups": 2, "groups": []}, "not both"),
+    ({"groups": 0}, "groups must be a positive int or a list"),
+    ({"groups": 1.5}, "groups must be a positive int or a list"),
 ])
 def test_rejects_bad_arguments(kwargs, match):
     m = _model()
@@ -80,6 +81,22 @@ def test_rejects_bad_groups_and_compression():
         hvd.DistributedOptimizer(opt, groups=[[torch.zeros(2, requires_grad=True)]])
     with pytest.raises(TypeError, match="compress"):
         hvd.DistributedOptimizer(opt, compression="fp16")
+
+
+def test_groups_as_an_int_splits_like_horovod_and_num_groups_is_deprecated():
+    m = nn.Sequential(*[nn.Linear(2, 2) for _ in range(5)])  # 10 trainable tensors
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), groups=4)
+    assert [len(g) for g in opt._hvd_groups] == [3, 3, 2, 2]
+    ps = list(m.parameters())
+    with pytest.warns(DeprecationWarning, match="num_groups is deprecated; pass groups=<int>"):
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(ps, lr=0.1), num_groups=2)
+    assert [len(g) for g in opt._hvd_groups] == [5, 5]
+    with pytest.warns(DeprecationWarning):  # groups, when given, wins (as in Horovod)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(ps, lr=0.1), num_groups=3,
+                                       groups=[ps[:2]])
+    assert [len(g) for g in opt._hvd_groups] == [2]
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(ps, lr=0.1), groups=20)  # more than tensors
+    assert [len(g) for g in opt._hvd_groups] == [1] * 10
 
 
 def test_wrapping_twice_is_an_error():
@@ -206,6 +223,8 @@ def test_broadcast_helpers_reject_bad_input():
         hvd.broadcast_parameters([("a", torch.ones(1)), ("a", torch.ones(1))], root_rank=0)
     with pytest.raises(ValueError, match="out of range"):
         hvd.broadcast_parameters({"a": torch.ones(1)}, root_rank=3)
+    with pytest.raises(TypeError, match="item 1 is neither a tensor nor a"):
+        hvd.broadcast_parameters([torch.ones(1), 3.0], root_rank=0)
     with pytest.raises(TypeError, match="Optimizer"):
         hvd.broadcast_optimizer_state({}, root_rank=0)
 

@@ -68,9 +68,12 @@ class ElasticSampler(torch.utils.data.Sampler):
         self.reset()
 
     def _order(self) -> List[int]:
+        return self._order_of(self.epoch)
+
+    def _order_of(self, epoch: int) -> List[int]:
         order = list(range(len(self.dataset)))
         if self.shuffle:
-            random.Random(self.seed + self.epoch).shuffle(order)
+            random.Random(self.seed + epoch).shuffle(order)
         return order
 
     def reset(self) -> None:
@@ -158,17 +161,43 @@ class ElasticSampler(torch.utils.data.Sampler):
         self.processed_indices = set()
         self.reset()
 
+    @property
+    def processed_num(self) -> int:
+        """How many samples of this epoch every rank together has processed
+        (Horovod's counter; here the size of ``processed_indices``)."""
+        return len(self.processed_indices)
+
+    @processed_num.setter
+    def processed_num(self, count: int) -> None:
+        # Horovod's meaning: the first ``count`` samples of the epoch's order are done
+        # (dealt again at the next reset(), as there).
+        count = _integer(count, "processed_num")
+        if count < 0:
+            raise ValueError(f"processed_num must be >= 0, got {count}")
+        self.processed_indices = set(self._order()[:count])
+
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "processed_indices": sorted(self.processed_indices)}
+        """``epoch``, ``processed_indices`` and Horovod's ``processed_num``."""
+        return {"epoch": self.epoch, "processed_indices": sorted(self.processed_indices),
+                "processed_num": self.processed_num}
 
     def load_state_dict(self, state: dict) -> None:
+        """Take ``state_dict()``'s dict, or Horovod's ``{'epoch', 'processed_num'}``
+        (the first ``processed_num`` samples of that epoch's order are done)."""
         try:
-            epoch, processed = state["epoch"], state["processed_indices"]
+            epoch = state["epoch"]
+            indexed = "processed_indices" in state
+            processed = state["processed_indices" if indexed else "processed_num"]
         except (TypeError, KeyError):
             raise ValueError(f"ElasticSampler.load_state_dict expects a dict with 'epoch' and "
-                             f"'processed_indices' (as state_dict() returns), got "
-                             f"{state!r:.200}") from None
+                             f"'processed_indices' (as state_dict() returns) or "
+                             f"'processed_num' (as Horovod's does), got {state!r:.200}") from None
         epoch = _integer(epoch, "load_state_dict: 'epoch'")
+        if not indexed:
+            count = _integer(processed, "load_state_dict: 'processed_num'")
+            if count < 0:
+                raise ValueError(f"load_state_dict: 'processed_num' must be >= 0, got {count}")
+            processed = self._order_of(epoch)[:count]
         if torch.is_tensor(processed):
             processed = processed.reshape(-1).tolist()
         try:
