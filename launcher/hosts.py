@@ -47,12 +47,20 @@ HOSTFILE_MAX_BYTES = 1 << 20  # thousands of hosts fit; /dev/zero does not
 and would exhaust this machine's memory before any rank started."""
 
 
+def _clip(text: str, most: int = 80) -> str:
+    """``repr(text)``, shortened when long: an error quotes what it refuses, not megabytes."""
+    if len(text) <= most:
+        return repr(text)
+    return f"{text[:most]!r}... ({len(text)} characters)"
+
+
 def _slots(text: str, where: str) -> int:
     # ASCII digits only: str.isdigit() also accepts '²' or '٣'.
     if not (text.isascii() and text.isdigit()) or int(text) < 1:
-        raise LaunchError(f"{where}: slots {text!r} must be a positive integer")
+        raise LaunchError(f"{where}: slots {_clip(text)} must be a positive integer")
     if int(text) > MAX_RANKS:
-        raise LaunchError(f"{where}: slots {text!r} is more than the limit of {MAX_RANKS}")
+        raise LaunchError(f"{where}: slots {_clip(text)} is more than the limit of "
+                          f"{MAX_RANKS}")
     return int(text)
 
 
@@ -70,9 +78,9 @@ def _checked_host(host: str, where: str) -> str:
         return _strip_brackets(host)
     labels = name[:-1].split(".") if name.endswith(".") else name.split(".")
     if "" in labels:
-        raise LaunchError(f"{where}: host name {name!r} has an empty part between dots")
+        raise LaunchError(f"{where}: host name {_clip(name)} has an empty part between dots")
     if max(map(len, labels)) > 63 or len(name) > 253:
-        raise LaunchError(f"{where}: host name {name!r} is too long (at most 63 characters "
+        raise LaunchError(f"{where}: host name {_clip(name)} is too long (at most 63 characters "
                           "between dots, 253 in all)")
     return host
 
@@ -101,10 +109,10 @@ def parse_hosts(text: str) -> List[HostSlots]:
         match = _HOST_SPEC.match(entry)
         if not match:
             raise LaunchError(
-                f"-H/--hosts entry {entry!r} is not valid: expected host or host:slots"
+                f"-H/--hosts entry {_clip(entry)} is not valid: expected host or host:slots"
             )
         host, slots = match.group(1), match.group(2)
-        where = f"-H/--hosts entry {entry!r}"
+        where = f"-H/--hosts entry {_clip(entry)}"
         result.append(HostSlots(_checked_host(host, where),
                                 1 if slots is None else _slots(slots, where)))
     return _no_repeats(result, "-H/--hosts")
@@ -123,7 +131,7 @@ def parse_hostfile(text: str, name: str = "hostfile") -> List[HostSlots]:
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
-        where = f"{name} line {number} ({line!r})"
+        where = f"{name} line {number} ({_clip(line)})"
         tokens = line.split()
         match = _HOST_SPEC.match(tokens[0])
         if match is None:
@@ -163,7 +171,7 @@ def _no_repeats(hosts: List[HostSlots], where: str) -> List[HostSlots]:
     seen = set()
     for entry in hosts:
         if entry.host in seen:
-            raise LaunchError(f"{where} names host {entry.host!r} twice")
+            raise LaunchError(f"{where} names host {_clip(entry.host)} twice")
         seen.add(entry.host)
     return hosts
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
+import stat
 import sys
 from typing import Dict, List, Optional
 
@@ -23,7 +24,7 @@ from .launch_config import LaunchConfig
 from .local_exec import helper_command
 from .monitor import Output, RunResult, Worker, describe_exit, monitor
 from .preflight import check_hosts, require_all_ok
-from .remote import missing_interpreter
+from .remote import interpreter_hint, missing_interpreter
 from .rendezvous import StoreServer, choose_address, is_local, new_secret
 from .ssh_exec import remote_helper_command, start_delay
 
@@ -50,7 +51,28 @@ def check_local_command(command: List[str], cwd: str, path: Optional[str]) -> No
     interpreter = missing_interpreter(full)
     if interpreter:
         raise LaunchError(f"cannot run {program}: its interpreter {interpreter} (the '#!' "
-                          "line) does not exist")
+                          f"line) does not exist{interpreter_hint(interpreter)}")
+
+
+def check_output_files(output_dir: str, rank: int) -> None:
+    """Create ``output_dir/rank.N/{stdout,stderr}`` as the rank's output will be
+    written (see :mod:`.output_files`): regular files only, no symbolic
+    link followed, so a file planted in a shared folder -- a FIFO that would
+    block the launcher, a link to a file of the user's -- is refused by name."""
+    from .output_files import open_output_file
+
+    folder = os.path.join(output_dir, f"rank.{rank}")
+    try:
+        if os.path.islink(folder):
+            raise LaunchError(f"--output-filename {output_dir}: {folder} is a symbolic link; "
+                              "refusing to follow it")
+        os.makedirs(folder, exist_ok=True)
+        for stream in ("stdout", "stderr"):
+            os.close(open_output_file(os.path.join(folder, stream), truncate=False))
+    except OSError as exc:
+        where = f" ({exc.filename})" if exc.filename else ""
+        raise LaunchError(f"--output-filename {output_dir}: {exc.strerror or exc}{where}") \
+            from None
 
 
 def check_writable_file(path: str, cwd: str, what: str) -> None:
@@ -58,6 +80,12 @@ def check_writable_file(path: str, cwd: str, what: str) -> None:
     full = os.path.join(cwd, path)
     if os.path.isdir(full):
         raise LaunchError(f"{what} {path}: is a directory")
+    try:
+        mode = os.stat(full).st_mode
+    except OSError:
+        mode = 0
+    if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode) or stat.S_ISBLK(mode):
+        raise LaunchError(f"{what} {path}: is a FIFO, socket or block device, not a file")
     folder = os.path.dirname(full) or "."
     if not os.path.isdir(folder):
         raise LaunchError(f"{what} {path}: directory {folder} does not exist")
@@ -121,23 +149,15 @@ class Job:
         path = cfg.environ.get("PATH")
         if not cfg.command or any(self.local.values()):
             check_local_command(cfg.command, cfg.cwd, path)
-        if cfg.output_dir:
-            try:
-                for p in self.placements:
-                    folder = os.path.join(cfg.output_dir, f"rank.{p.rank}")
-                    os.makedirs(folder, exist_ok=True)
-                    for stream in ("stdout", "stderr"):  # writable files, not folders
-                        open(os.path.join(folder, stream), "a", encoding="utf-8").close()
-            except OSError as exc:
-                where = f" ({exc.filename})" if exc.filename else ""
-                raise LaunchError(f"--output-filename {cfg.output_dir}: "
-                                  f"{exc.strerror or exc}{where}") from None
         self._check_rank_files()
         key = cfg.ssh.identity_file
         if self.remote_hosts and key and not cfg.use_srun and not os.path.isfile(
                 os.path.join(cfg.cwd, os.path.expanduser(key))):
             # ssh would go on without it and fail later on a password prompt it cannot show
             raise LaunchError(f"-i/--ssh-identity-file {key}: no such file")
+        if cfg.output_dir:  # after the checks above: a refused job leaves no folders
+            for p in self.placements:
+                check_output_files(cfg.output_dir, p.rank)
         if self.remote_hosts and cfg.preflight and not cfg.use_srun:
             checks = check_hosts(self.remote_hosts, cfg.ssh, cfg.remote_python, cfg.cwd,
                                  cfg.command[0], path or "", cfg.start_timeout,

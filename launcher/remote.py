@@ -122,9 +122,14 @@ def _reap_adopted(command_pid: int) -> None:
                     pass
 
 
-def _signal_descendants(sig: int) -> None:
+def _signal_descendants(sig: int, skip_group: Optional[int] = None) -> None:
+    """Send ``sig`` to every living descendant outside process group ``skip_group``
+    (the rank's group, already signalled: a process must get one SIGTERM, not two,
+    or a handler that checkpoints on it runs twice)."""
     for pid in _live_descendants():
         try:
+            if skip_group is not None and os.getpgid(pid) == skip_group:
+                continue
             os.kill(pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
@@ -165,11 +170,23 @@ def missing_interpreter(path: str) -> Optional[str]:
         return None
     if not first.startswith(b"#!"):
         return None
-    words = first[2:].strip().split()
+    # As the kernel reads it: up to the first space or tab, a carriage return
+    # (a file saved with Windows line endings) being part of the name.
+    words = first[2:].rstrip(b"\n").replace(b"\t", b" ").split(b" ")
+    words = [w for w in words if w]
     if not words:
         return None
     interpreter = os.fsdecode(words[0])
-    return None if os.path.exists(interpreter) else interpreter
+    if os.path.exists(interpreter):
+        return None
+    return interpreter[:-1] + "\\r" if interpreter.endswith("\r") else interpreter
+
+
+def interpreter_hint(interpreter: str) -> str:
+    """What to add to an error about :func:`missing_interpreter`'s answer."""
+    if interpreter.endswith("\\r"):
+        return "; the file has Windows line endings (convert it, e.g. with dos2unix)"
+    return ""
 
 
 def probe(spec: dict) -> int:
@@ -230,7 +247,7 @@ def run(spec: dict) -> int:
         interpreter = missing_interpreter(found) if found else None
         if interpreter:
             _say(f"cannot run {argv[0]}: its interpreter {interpreter} (the '#!' line) "
-                 "does not exist on this host")
+                 f"does not exist on this host{interpreter_hint(interpreter)}")
             return 126
         _say(f"command not found: {argv[0]}")
         return 127
@@ -245,7 +262,7 @@ def run(spec: dict) -> int:
         _reap_adopted(child.pid)
         if events.stop and child.poll() is None:
             _kill_group(child.pid, signal.SIGTERM)
-            _signal_descendants(signal.SIGTERM)  # those that left the group, too
+            _signal_descendants(signal.SIGTERM, child.pid)  # those that left the group, too
             try:
                 child.wait(grace)
             except subprocess.TimeoutExpired:

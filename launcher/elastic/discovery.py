@@ -10,13 +10,16 @@ the last good list stays in force.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
+import threading
 from typing import Callable, List, Optional, Sequence
 
 from ..errors import LaunchError
 from ..hosts import HostSlots, parse_hostfile
 
 SCRIPT_TIMEOUT_SECONDS = 30.0
+OUTPUT_MAX_BYTES = 1 << 20  # per stream: thousands of hosts fit
 
 
 def parse_discovery_output(text: str, slots_per_host: Optional[int], script: str) -> List[HostSlots]:
@@ -72,6 +75,7 @@ class ScriptDiscovery:
                               f"{exc.strerror or exc}") from None
         if code != 0:
             last = (err.strip().splitlines() or [""])[-1]
+            last = last if len(last) <= 200 else last[:200] + "..."
             raise LaunchError(f"host discovery script {self.script!r} exited with code {code}"
                               + (f": {last}" if last else ""))
         return parse_discovery_output(out, self.slots_per_host, self.script)
@@ -88,14 +92,59 @@ class FixedDiscovery:
 
 
 def _run_script(argv: Sequence[str], timeout: float) -> tuple:
+    """Run the script in a session of its own; ``(returncode, stdout, stderr)``.
+
+    Output is decoded leniently (a stray byte is a malformed line, reported as
+    such) and kept up to ``OUTPUT_MAX_BYTES`` per stream, the rest drained and
+    dropped (``stdout`` then ends with a line saying so, which fails parsing).
+    On the timeout the script's whole process group is killed, so nothing it
+    started in the background is left running.
+    """
     if not os.path.exists(argv[0]):
         raise OSError(2, "no such file")
     # The file that was found, even when named without a directory (``find.sh``
     # would otherwise be looked up on PATH and reported missing).
-    proc = subprocess.run([os.path.abspath(argv[0])] + list(argv[1:]), capture_output=True,
-                          text=True, timeout=timeout,
-                          stdin=subprocess.DEVNULL)
-    return proc.returncode, proc.stdout, proc.stderr
+    proc = subprocess.Popen([os.path.abspath(argv[0])] + list(argv[1:]),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    kept = {"stdout": bytearray(), "stderr": bytearray()}
+    over = set()
+
+    def drain(name: str, pipe) -> None:
+        with pipe:
+            for chunk in iter(lambda: pipe.read1(65536), b""):
+                room = OUTPUT_MAX_BYTES - len(kept[name])
+                if len(chunk) > room:
+                    over.add(name)
+                kept[name] += chunk[:max(room, 0)]
+
+    readers = [threading.Thread(target=drain, args=(name, getattr(proc, name)), daemon=True)
+               for name in kept]
+    for reader in readers:
+        reader.start()
+    try:
+        code = proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        _kill_session(proc.pid)
+        proc.wait()
+        raise
+    finally:
+        # The group too when the script exited leaving children that hold its pipes.
+        _kill_session(proc.pid)
+        for reader in readers:
+            reader.join(5.0)
+    if "stdout" in over:
+        raise LaunchError(f"host discovery script {argv[0]!r} printed more than "
+                          f"{OUTPUT_MAX_BYTES} bytes")
+    out, err = (bytes(kept[name]).decode("utf-8", "replace") for name in ("stdout", "stderr"))
+    return code, out, err
+
+
+def _kill_session(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 class LastGood:

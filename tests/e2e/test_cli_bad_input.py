@@ -143,19 +143,27 @@ def test_a_process_that_left_the_ranks_session_ends_with_the_rank(marker):
 
 
 def test_output_file_that_stops_accepting_writes_loses_no_forwarded_output(marker):
-    (marker / "logs" / "rank.0").mkdir(parents=True)
-    os.symlink("/dev/full", marker / "logs" / "rank.0" / "stdout")  # every write: ENOSPC
+    import resource
+
     script = write_script(marker, "chatty.py", """
         for n in range(300):
             print("x" * 1000, flush=True)
         print("the end", flush=True)
     """)
-    code, out, err, _ = run(["-np", "1", "--output-filename", str(marker / "logs"),
-                             sys.executable, script], timeout=60)
+
+    def small_files():  # the launcher's files stop growing at 100 kB: writes fail (EFBIG)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+
+    proc = subprocess.Popen(
+        launcher_argv() + ["-np", "1", "--output-filename", str(marker / "logs"),
+                           sys.executable, script],
+        cwd=ROOT, env=launcher_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True, preexec_fn=small_files)
+    code, out, err = finish(proc, timeout=60)
     assert code == 0, err
     assert out.count("[0]<stdout>:" + "x" * 1000) == 300 and "[0]<stdout>:the end" in out
     assert "Traceback" not in err
-    assert f"cannot write {marker}/logs/rank.0/stdout: No space left on device" in err
+    assert f"cannot write {marker}/logs/rank.0/stdout: File too large" in err
 
 
 def test_a_script_whose_interpreter_is_missing_is_named_not_called_missing(marker):
@@ -167,6 +175,20 @@ def test_a_script_whose_interpreter_is_missing_is_named_not_called_missing(marke
     assert err.strip().splitlines() == [
         f"hvdlike-run: error: cannot run {script}: its interpreter /nonexistent/bin/interp "
         "(the '#!' line) does not exist"]
+
+
+def test_a_script_with_windows_line_endings_is_named_so(marker):
+    # The kernel takes the carriage return as part of the interpreter's name: the
+    # check used to strip it, pass, and leave every rank failing "command not found".
+    script = marker / "job.py"
+    script.write_bytes(f"#!{sys.executable}\r\nprint('never')\r\n".encode())
+    script.chmod(0o755)
+    code, out, err, _ = run(["-np", "2", str(script)])
+    assert code == 2, err
+    assert err.strip().splitlines() == [
+        f"hvdlike-run: error: cannot run {script}: its interpreter {sys.executable}\\r "
+        "(the '#!' line) does not exist; the file has Windows line endings (convert it, e.g. "
+        "with dos2unix)"]
 
 
 def test_the_rank_helper_names_a_missing_interpreter_too(tmp_path):
@@ -184,3 +206,41 @@ def test_the_rank_helper_names_a_missing_interpreter_too(tmp_path):
     assert done.returncode == 126, done.stderr
     assert (f"cannot run {script}: its interpreter /nonexistent/bin/interp (the '#!' line) "
             "does not exist on this host") in done.stderr
+
+
+def test_output_files_planted_in_a_shared_folder_are_refused_by_name(marker):
+    # A FIFO blocked the launcher before any rank started; a symbolic link made it
+    # overwrite the file it points to.
+    (marker / "hi.py").write_text("print('hi')\n")
+    fifo_dir = marker / "fifo" / "rank.0"
+    fifo_dir.mkdir(parents=True)
+    os.mkfifo(fifo_dir / "stdout")
+    code, out, err, _ = run(["-np", "2", "--output-filename", str(marker / "fifo"), "python",
+                             str(marker / "hi.py")], timeout=60)
+    assert code == 2, err
+    assert f"is a FIFO, not a regular file ({fifo_dir / 'stdout'})" in err
+    victim = marker / "victim.txt"
+    victim.write_text("precious\n")
+    link_dir = marker / "link" / "rank.0"
+    link_dir.mkdir(parents=True)
+    (link_dir / "stderr").symlink_to(victim)
+    code, out, err, _ = run(["-np", "1", "--output-filename", str(marker / "link"), "python",
+                             str(marker / "hi.py")], timeout=60)
+    assert code == 2, err
+    assert "is a symbolic link; refusing to follow it" in err
+    assert victim.read_text() == "precious\n"
+    os.mkfifo(marker / "timeline.fifo")
+    code, out, err, _ = run(["-np", "2", "--timeline-filename", str(marker / "timeline.fifo"),
+                             "python", str(marker / "hi.py")], timeout=60)
+    assert code == 2, err
+    assert "timeline.fifo: is a FIFO, socket or block device, not a file" in err
+
+
+def test_a_job_refused_by_a_later_check_leaves_no_output_folders(marker):
+    (marker / "hi.py").write_text("print('hi')\n")
+    code, out, err, _ = run(["-np", "2", "--output-filename", str(marker / "out"),
+                             "--timeline-filename", "/nonexistent/t.json", "python",
+                             str(marker / "hi.py")], timeout=60)
+    assert code == 2, err
+    assert "directory /nonexistent does not exist" in err
+    assert not (marker / "out").exists()

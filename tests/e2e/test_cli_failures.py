@@ -154,3 +154,37 @@ def test_a_rank_that_exits_0_without_coming_is_named_by_the_ranks_waiting_for_it
     assert "rank 1 exited with code 0 (seen by hvdlike-run)" in err, err
     assert "joined with" not in out
     assert "did not take part within" not in err
+
+
+def test_a_stopped_rank_gets_one_sigterm_not_two(marker):
+    # The helper signalled the rank's process group and then every descendant,
+    # the rank included: a checkpoint-on-SIGTERM handler could run twice.
+    script = marker / "term.py"
+    script.write_text(textwrap.dedent("""
+        import os, signal, sys, time
+        here = os.path.dirname(os.path.abspath(__file__))
+        rank = os.environ["HVDLIKE_RANK"]
+        def handler(signum, frame):
+            with open(os.path.join(here, "got." + rank), "a") as f:
+                f.write("got\\n")
+            time.sleep(1.0)
+            sys.exit(0)
+        signal.signal(signal.SIGTERM, handler)
+        open(os.path.join(here, "ready." + rank), "w").close()
+        time.sleep(120)
+    """))
+    for _ in range(3):
+        for f in marker.glob("got.*"):
+            f.unlink()
+        for f in marker.glob("ready.*"):
+            f.unlink()
+        proc = start(["-np", "2", "--grace-period-seconds", "10", "python", str(script)])
+        try:
+            _wait_ready(marker, 2)
+            proc.send_signal(signal.SIGTERM)
+            code, out, err = finish(proc, timeout=60)
+        finally:
+            kill_session(proc.pid)
+        assert code == 128 + signal.SIGTERM, err
+        for r in range(2):
+            assert (marker / f"got.{r}").read_text() == "got\n", (r, err)

@@ -170,3 +170,46 @@ def test_an_elastic_job_with_fewer_slots_than_np_says_it_starts_smaller():
     config = _config(["-np", "2", "--min-np", "1", "-H", "localhost:2", "python", "t.py"])
     discovery_for(config, config.elastic, notes.append)
     assert notes == []
+
+
+def _script(tmp_path, body: str, shell: str = "/bin/sh") -> str:
+    path = tmp_path / "discover.sh"
+    path.write_text(f"#!{shell}\n" + body)
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_a_discovery_script_printing_bytes_that_are_not_utf8_is_a_malformed_line(tmp_path):
+    script = _script(tmp_path, "printf 'good:1\\n\\377\\376\\n'\n")
+    with pytest.raises(LaunchError, match="output line 2 .* is not valid: expected"):
+        ScriptDiscovery(script).find()
+
+
+def test_a_discovery_script_printing_megabytes_is_refused_without_quoting_them(tmp_path):
+    script = _script(tmp_path, "head -c 5000000 /dev/zero | tr '\\\\0' a\n")
+    with pytest.raises(LaunchError, match="printed more than 1048576 bytes") as info:
+        ScriptDiscovery(script).find()
+    assert len(str(info.value)) < 500
+    long_line = _script(tmp_path, "printf 'x%.0s' $(seq 1 5000); echo\n")
+    with pytest.raises(LaunchError, match=r"\(5000 characters\)\): host name") as info:
+        ScriptDiscovery(long_line).find()
+    assert len(str(info.value)) < 500
+
+
+def test_a_discovery_script_that_times_out_leaves_nothing_running(tmp_path):
+    import psutil
+
+    from hvdlike.launcher.elastic import discovery
+
+    tag = f"{tmp_path.name}-background"
+    script = _script(tmp_path, f"echo localhost:1\nexec -a {tag}a sleep 91 &\n"
+                               f"exec -a {tag}b sleep 92\n", shell="/bin/bash")
+    with pytest.raises(discovery.subprocess.TimeoutExpired):
+        discovery._run_script([script], 1.0)
+    for _ in range(50):
+        left = [p for p in psutil.process_iter(["cmdline"])
+                if any(tag in part for part in (p.info["cmdline"] or []))]
+        if not left:
+            break
+        discovery.threading.Event().wait(0.1)
+    assert left == []
