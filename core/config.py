@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import re
 from typing import Any, Callable, Mapping, Optional
 
 from .errors import ConfigError
@@ -44,8 +45,32 @@ MAX_SECONDS = 1e8
 overflow the clocks of the engines underneath (Python's locks, Gloo, TCPStore)."""
 
 
+_INT_TEXT = re.compile(r"[+-]?[0-9]+")
+_FLOAT_TEXT = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
+
+
+def strict_int(text: str) -> int:
+    """``int(text)`` for ASCII digits only: Python's own ``int`` also takes ``2_0``
+    (20) and other scripts' digits, which a setting must not silently accept."""
+    if not _INT_TEXT.fullmatch(text.strip()):
+        raise ValueError(f"invalid integer: {text!r}")
+    return int(text)
+
+
+def strict_float(text: str) -> float:
+    """``float(text)`` for plain decimal numbers only (no ``1_0``, ``inf``, ``nan``)."""
+    if not _FLOAT_TEXT.fullmatch(text.strip()):
+        raise ValueError(f"invalid number: {text!r}")
+    return float(text)
+
+
+_STRICT = {int: strict_int, float: strict_float}
+
+
 def _non_negative(kind: Callable[[str], Any], what: str,
                   most: Optional[float] = None) -> Callable[[str], Any]:
+    kind = _STRICT.get(kind, kind)
+
     def parse(text: str) -> Any:
         try:
             value = kind(text.strip())
@@ -68,7 +93,17 @@ def _duration(what: str, positive: bool, most: float = MAX_SECONDS) -> Callable[
     """A finite non-negative time, at most ``most``."""
     what = f"{what}, at most {most:g}"
     parse = _non_negative(float, what, most)
-    return _positive_value(parse, what) if positive else parse
+    if not positive:
+        return parse
+    parse = _positive_value(parse, what)
+
+    def at_least_a_millisecond(text: str) -> float:
+        value = parse(text)
+        if value < 0.001:  # timeouts become milliseconds: this would be 0
+            raise ValueError(f"{what} (and at least 0.001)")
+        return value
+
+    return at_least_a_millisecond
 
 
 def _positive_value(inner: Callable[[str], Any], what: str) -> Callable[[str], Any]:

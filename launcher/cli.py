@@ -112,7 +112,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _integer(text: str) -> int:
     try:
-        return int(text)
+        return core_config.strict_int(text)  # not '2_0' (20) or other scripts' digits
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
 
@@ -134,7 +134,7 @@ def _port(text: str) -> int:
 
 def _seconds(text: str) -> float:
     try:
-        value = float(text)
+        value = core_config.strict_float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
     if value != value or value == math.inf:

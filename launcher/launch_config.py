@@ -118,7 +118,9 @@ def knob_environment(values: Mapping[str, object]) -> Dict[str, str]:
             text = "1"
         elif knob.flag_scale:
             try:
-                scaled = float(value) * knob.flag_scale
+                number = core_config.strict_float(value) if isinstance(value, str) \
+                    else float(value)
+                scaled = number * knob.flag_scale
             except ValueError:
                 scaled = math.nan
             if not math.isfinite(scaled):

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import os
+import pwd
 import socket
 from functools import lru_cache
 from typing import Iterable, List, Tuple
@@ -60,7 +62,11 @@ def _my_names() -> frozenset:
 
 
 def is_local(host: str) -> bool:
-    """Whether ``host`` is this machine (no ssh needed)."""
+    """Whether ``host`` is this machine (no ssh needed). ``user@host`` naming
+    another user than this one is not: ssh then logs in as that user, as asked."""
+    user = host.rpartition("@")[0] if "@" in host else ""
+    if user and user != _current_user():
+        return False
     name = _bare(host)
     if name in _my_names():
         return True
@@ -69,6 +75,13 @@ def is_local(host: str) -> bool:
     except LaunchError:
         return False
     return any(ipaddress.ip_address(a).is_loopback or a in _local_addresses() for a in addrs)
+
+
+def _current_user() -> str:
+    try:
+        return pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:  # a uid without a passwd entry (containers)
+        return str(os.getuid())
 
 
 def _is_ip(text: str) -> bool:

@@ -28,6 +28,9 @@ def test_hvdlike_wins_over_horovod_fallback():
     ("HVDLIKE_LOG_LEVEL", "loud", "one of trace"),
     ("HVDLIKE_AUTOTUNE", "maybe", "boolean"),
     ("HOROVOD_STALL_CHECK_TIME_SECONDS", "0", "seconds > 0"),
+    ("HVDLIKE_FUSION_THRESHOLD", "1_000", "byte count"),  # int() would take it as 1000
+    ("HVDLIKE_CYCLE_TIME", "\u0665", "milliseconds"),     # and float() an Arabic-Indic 5
+    ("HVDLIKE_START_TIMEOUT", "1e-300", "at least 0.001"),  # 0 ms once converted
 ])
 def test_bad_values_name_variable_value_and_expectation(var, value, expected):
     with pytest.raises(ConfigError) as info:

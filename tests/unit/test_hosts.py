@@ -131,3 +131,14 @@ def test_assign_single_rank_per_host():
 def test_assign_rejects_bad_np(np, needle):
     with pytest.raises(LaunchError, match=needle):
         assign_ranks([HostSlots("a", 2), HostSlots("b", 2)], np)
+
+
+def test_a_local_host_with_another_user_is_reached_over_ssh_as_that_user():
+    import getpass
+
+    from hvdlike.launcher.rendezvous import is_local
+
+    me = getpass.getuser()
+    assert is_local("localhost") and is_local(f"{me}@localhost")
+    # Running the rank here would ignore the user asked for: ssh logs in as them.
+    assert not is_local("someone-else-entirely@localhost")

@@ -52,6 +52,10 @@ def test_hostfile(tmp_path):
     (["-np", "2", "--ssh-option", "novalue", "python"], "KEY=VALUE"),
     (["-np", "2", "--fusion-threshold-mb", "lots", "python"], "--fusion-threshold-mb"),
     (["-np", "2", "--cycle-time-ms", "-1", "python"], "--cycle-time-ms"),
+    # Python's int() and float() take '2_0' (20) and other scripts' digits
+    (["-np", "1", "--fusion-threshold-mb", "1_0", "python"], "'1_0' is not valid"),
+    # a timeout that rounds to 0 ms
+    (["-np", "1", "--start-timeout", "1e-300", "python"], "at least 0.001"),
     # under one byte it would round to 0, i.e. fusion off
     (["-np", "2", "--fusion-threshold-mb", "1e-7", "python"], "'1e-7' is less than one byte"),
     (["-np", "2", "--log-level", "chatty", "python"], "--log-level"),
@@ -61,6 +65,19 @@ def test_bad_values_raise_one_line(argv, needle):
     with pytest.raises(LaunchError, match=needle) as info:
         _config(*argv)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["-np", "2_0", "python"], "argument -np/--num-proc: '2_0' is not an integer"),
+    (["-np", "\u0662", "python"], "argument -np/--num-proc: '\u0662' is not an integer"),
+    (["-np", "1", "--grace-period-seconds", "1_0", "python"],
+     "argument --grace-period-seconds: '1_0' is not a number of seconds"),
+])
+def test_numbers_python_would_read_loosely_are_usage_errors(argv, needle, capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.build_parser().parse_args(argv)
+    assert info.value.code == 2
+    assert needle in capsys.readouterr().err
 
 
 def test_every_knob_with_a_flag_is_a_launcher_flag():
