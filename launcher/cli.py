@@ -432,9 +432,13 @@ def with_config_file(parser: argparse.ArgumentParser, args: argparse.Namespace,
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``hvdlike-run``; returns the exit status."""
-    parser = build_parser()
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parser.parse_args(argv)
+    try:
+        parser = build_parser()
+        argv = list(sys.argv[1:] if argv is None else argv)
+        args = parser.parse_args(argv)
+    except KeyboardInterrupt:
+        _say("interrupted")
+        return 130
     try:
         if args.config_file is not None:
             args = with_config_file(parser, args, argv)

@@ -34,6 +34,22 @@ class SshOptions:
     """Extra ``-o KEY=VALUE`` options, placed before hvdlike-run's defaults so they win."""
 
 
+def current_directory() -> str:
+    """The working directory the ranks start in.
+
+    Raises:
+        LaunchError: it was deleted under the launcher, or cannot be read.
+    """
+    try:
+        return os.getcwd()
+    except FileNotFoundError:
+        raise LaunchError("the current directory no longer exists (it was deleted); the "
+                          "ranks start in it, so change to an existing one first") from None
+    except OSError as exc:
+        raise LaunchError(f"the current directory cannot be determined: "
+                          f"{exc.strerror or exc}") from None
+
+
 @dataclasses.dataclass
 class LaunchConfig:
     """One job: what to run, where, and how.
@@ -74,7 +90,7 @@ class LaunchConfig:
     """Start every rank as a Slurm job step with ``srun`` (inside an allocation)."""
     remote_python: str = sys.executable
     """Python interpreter that runs the rank helper on remote hosts."""
-    cwd: str = dataclasses.field(default_factory=os.getcwd)
+    cwd: str = dataclasses.field(default_factory=lambda: current_directory())
     """Working directory of every rank."""
     environ: Mapping[str, str] = dataclasses.field(default_factory=lambda: dict(os.environ))
     """The launcher's environment, forwarded to ranks."""

@@ -154,7 +154,10 @@ class StoreServer:
         self.port = 0
 
     def __enter__(self) -> "StoreServer":
-        from hvdlike.core.job_store import serve  # imports torch
+        from .interrupts import deferred
+
+        with deferred():  # a Ctrl-C inside torch's import could be swallowed there
+            from hvdlike.core.job_store import serve  # imports torch
 
         try:
             self._store, self.port = serve(self.addr, 0, self._world_size, self._timeout)

@@ -188,3 +188,19 @@ def test_a_stopped_rank_gets_one_sigterm_not_two(marker):
         assert code == 128 + signal.SIGTERM, err
         for r in range(2):
             assert (marker / f"got.{r}").read_text() == "got\n", (r, err)
+
+
+def test_ctrl_c_while_the_launcher_starts_up_stops_it(marker):
+    # A KeyboardInterrupt raised inside torch's import (the launcher imports it to
+    # host the store) could be swallowed there: the launcher then ran the whole job.
+    (marker / "job.py").write_text("import time\ntime.sleep(120)\n")
+    for delay in (0.15, 0.3, 0.45, 0.6, 0.8, 1.0, 1.3):
+        proc = start(["-np", "2", "python", str(marker / "job.py")])
+        try:
+            time.sleep(delay)
+            proc.send_signal(signal.SIGINT)
+            code, out, err = finish(proc, timeout=60)
+        finally:
+            kill_session(proc.pid)
+        assert code == 130, (delay, err)
+        assert "interrupted" in err and "Traceback" not in err, (delay, err)
