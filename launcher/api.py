@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import sys
 from typing import (
     Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union,
@@ -28,8 +29,8 @@ from .launch_config import LaunchConfig, SshOptions, effective_settings
 from .monitor import describe_exit
 from .task import LOADING_ENV, REFUSED
 from .payload import (
-    MAX_BLOB_BYTES, PAYLOAD_KEY, PayloadError, get, put, result_key, result_purpose, seal,
-    unseal,
+    EXCEPTION_PICKLE, MAX_BLOB_BYTES, PAYLOAD_KEY, VALUE_PICKLE, PayloadError, get, put,
+    result_key, result_purpose, seal, verify,
 )
 
 TASK_MODULE = "hvdlike.launcher.task"
@@ -51,19 +52,46 @@ class RankError(HvdlikeError):
         self.remote_traceback = remote_traceback
 
 
-def _user_path() -> str:
-    """The caller's own import directories (not the interpreter's), for unpickling ``fn``.
+def _current_directory() -> str:
+    """The caller's working directory, where the ranks start; a :class:`LaunchError`
+    when it is gone (deleted under the caller) or cannot be read."""
+    try:
+        return os.getcwd()
+    except FileNotFoundError:
+        raise LaunchError("hvdlike.run: the current directory no longer exists (it was "
+                          "deleted); the ranks start in the caller's current "
+                          "directory, so change to an existing one first") from None
+    except OSError as exc:
+        raise LaunchError(f"hvdlike.run: the current directory cannot be determined "
+                          f"({exc}); the ranks start in it") from None
 
-    cloudpickle ships functions of importable modules by reference; ranks must be
-    able to import those modules too.
+
+def _rank_pythonpath(cwd: str, pythonpath: str) -> str:
+    """``PYTHONPATH`` for the ranks: the caller's own import directories (not the
+    interpreter's) in the caller's ``sys.path`` order, then the entries of
+    ``pythonpath`` (what the ranks would get otherwise) not already listed.
+
+    cloudpickle ships functions of importable modules by reference; ranks must
+    import those modules from where the caller did, so the caller's directories
+    (its script's, and its own ``PYTHONPATH``'s in their place) come first.
     """
+    def real(entry: str) -> str:
+        return os.path.realpath(os.path.join(cwd, entry))
+
     prefixes = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
-    mine = []
+    given = [entry for entry in pythonpath.split(os.pathsep) if entry]
+    given_real = {real(entry) for entry in given}
+    chosen: Dict[str, str] = {}
     for entry in sys.path:
-        real = os.path.realpath(entry or os.getcwd())
-        if os.path.isdir(real) and not any(real.startswith(p + os.sep) or real == p for p in prefixes):
-            mine.append(real)
-    return os.pathsep.join(dict.fromkeys(mine))
+        if not isinstance(entry, str):
+            continue
+        path = real(entry)
+        interpreter = any(path == p or path.startswith(p + os.sep) for p in prefixes)
+        if path in given_real or (os.path.isdir(path) and not interpreter):
+            chosen.setdefault(path, path)
+    for entry in given:  # not on the caller's sys.path: a missing directory, a zip, env's own
+        chosen.setdefault(real(entry), entry)
+    return os.pathsep.join(chosen.values())
 
 
 def _check_call(fn, args, kwargs):
@@ -198,8 +226,8 @@ def run(
         kwargs: keyword arguments for ``fn``.
         np: number of ranks (Horovod's ``num_proc``; default: every slot of
             ``hosts``/``hostfile``, else 1 as in Horovod).
-        hosts: ``"host1:2,host2:2"`` or a list of :class:`HostSlots`; default
-            ``localhost:np``.
+        hosts: ``"host1:2,host2:2"`` or a list of :class:`HostSlots` (checked as
+            the string is); default ``localhost:np``.
         ssh_port: ssh port of remote hosts.
         ssh_identity_file: ssh private key.
         ssh_options: extra ``KEY=VALUE`` ssh options.
@@ -226,10 +254,13 @@ def run(
         first ``min_num_proc`` of them).
 
     Raises:
-        RankError: ``fn`` raised on a rank (message names the rank, the exception
-            and its remote traceback; ``__cause__`` is the exception when it
-            could be pickled), or a rank ended without a result.
-        LaunchError: bad arguments or unreachable hosts.
+        RankError: ``fn`` raised on a rank (message names the rank, the exception's
+            type and message and its remote traceback; ``__cause__`` is the
+            exception when it unpickles in the caller), a rank's return value
+            could not be unpickled in the caller (``__cause__`` says why), or a
+            rank ended without a result.
+        LaunchError: bad arguments, unreachable hosts, or a current directory
+            that no longer exists.
 
     Example:
         >>> import hvdlike
@@ -241,6 +272,7 @@ def run(
             "hvdlike.run was called while a rank of another hvdlike.run job was loading its "
             "function: the module that defines the function calls hvdlike.run when it is "
             "imported; put that call under `if __name__ == \"__main__\":`")
+    cwd = _current_directory()
     counts = run_args.horovod_arguments(num_proc, np, min_num_proc, min_np, max_num_proc,
                                         max_np, executable, python)
     np, python = counts["np"], counts["python"] or sys.executable
@@ -248,7 +280,7 @@ def run(
     mpi = run_args.engine(use_gloo, use_mpi)
     environ = dict(os.environ)
     environ.update(_check_env(env))
-    environ.setdefault("PYTHONPATH", _user_path())
+    environ["PYTHONPATH"] = _rank_pythonpath(cwd, environ.get("PYTHONPATH", ""))
     knob_env = _knob_env(run_args.checked_knobs(knobs, disable_cache))
     discovery = run_args.text_arg(host_discovery_script, "host_discovery_script")
     if discovery is not None and (hosts is not None or hostfile is not None):
@@ -283,6 +315,7 @@ def run(
         mpi_args=extra_mpi if mpi else [],
         preflight=not mpi,
         remote_python=python,
+        cwd=cwd,
         environ=environ,
         elastic=elastic,
     )
@@ -324,19 +357,66 @@ def shipped(config: LaunchConfig, fn, args, kwargs) -> Iterator[Tuple[Job, Any]]
 def gather(job: Job, store, ranks: List[int], generation: Optional[int],
            host_of: Callable[[int], str]) -> Dict[int, dict]:
     """The authenticated outcomes filed by ``ranks`` (of ``generation``); a blob that
-    fails authentication is a :class:`RankError` and is never unpickled."""
+    fails authentication is a :class:`RankError` and is never unpickled. An
+    authentic one that does not unpickle here is a failed outcome saying so."""
     outcomes = {}
     for rank in ranks:
         key = result_key(rank, generation)
         if not store.check([key]):
             continue
         try:
-            outcomes[rank] = unseal(job.secret, result_purpose(rank, generation),
-                                    get(store, key))
+            data = verify(job.secret, result_purpose(rank, generation), get(store, key))
         except (HvdlikeError, PayloadError) as exc:
             raise RankError(f"rank {rank} returned a result that failed authentication: "
                             f"{exc}", rank, host_of(rank)) from None
+        outcomes[rank] = _opened(data)
+        del data
     return outcomes
+
+
+def _unpickled(data) -> Tuple[bool, Any]:
+    """``(True, object)``, or ``(False, the exception unpickling raised)``."""
+    try:
+        return True, pickle.loads(data)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - whatever rebuilding it raises, name the rank
+        return False, exc
+
+
+def _not_rebuilt(what: str, exc: BaseException, host: Any = None) -> dict:
+    """A failed outcome for a result the caller could not unpickle; the error
+    unpickling raised (with the caller's traceback) becomes ``__cause__``."""
+    try:
+        message = str(exc)
+    except Exception:  # noqa: BLE001
+        message = "<str() of the error failed>"
+    return {"ok": False, "type": type(exc).__name__, "message": message, "traceback": "",
+            "host": host, "exception": exc,
+            "what": f"{what} that could not be unpickled on the caller's side "
+                    f"({type(exc).__name__}: {message})"}
+
+
+def _opened(data) -> dict:
+    """The outcome in ``data`` (authentic), with its value and exception unpickled;
+    what does not unpickle here becomes a failed outcome naming it."""
+    ok, outcome = _unpickled(data)
+    if not ok:
+        return _not_rebuilt("filed a result", outcome)
+    if not isinstance(outcome, dict) or not isinstance(outcome.get("ok"), bool):
+        return _not_rebuilt("filed a result", TypeError(
+            f"expected an outcome, got {type(outcome).__name__}"))
+    if VALUE_PICKLE in outcome:
+        ok, value = _unpickled(outcome.pop(VALUE_PICKLE))
+        if not ok:
+            return _not_rebuilt("returned a value", value, outcome.get("host"))
+        outcome["value"] = value
+    pickled = outcome.pop(EXCEPTION_PICKLE, None)
+    if pickled is not None:  # the exception as __cause__ only when it is rebuilt here
+        ok, exc = _unpickled(pickled)
+        if ok and isinstance(exc, BaseException):
+            outcome["exception"] = exc
+    return outcome
 
 
 # Errors a rank raises because another rank failed first.
@@ -344,11 +424,11 @@ CONSEQUENCES = ("HvdlikeInternalError", "HorovodInternalError")
 
 
 def raise_outcome(rank: int, host: str, outcome: dict) -> None:
-    """Raise the :class:`RankError` for a rank whose ``fn`` raised."""
-    error = RankError(
-        f"rank {rank} (host {host}) raised {outcome['type']}: {outcome['message']}\n"
-        f"{outcome['traceback']}".rstrip(),
-        rank, host, outcome["traceback"])
+    """Raise the :class:`RankError` for a rank whose ``fn`` raised, or whose result
+    could not be unpickled here (``outcome["what"]`` then says so)."""
+    what = outcome.get("what") or f"raised {outcome['type']}: {outcome['message']}"
+    error = RankError(f"rank {rank} (host {host}) {what}\n{outcome['traceback']}".rstrip(),
+                      rank, host, outcome["traceback"])
     raise error from outcome.get("exception")
 
 

@@ -42,11 +42,21 @@ def result_purpose(rank: int, generation: Optional[int] = None) -> str:
     return f"result/{rank}" if generation is None else f"result/{generation}/{rank}"
 
 
+# A rank's outcome carries its return value, and the exception its function
+# raised, pickled on their own inside it: the caller unpickles the outcome (plain
+# text and numbers) first, so a value or exception that does not unpickle there
+# is reported as such, with the rank's message and traceback intact.
+VALUE_PICKLE = "value_pickle"
+EXCEPTION_PICKLE = "exception_pickle"
+
+
 def _mac(secret: str, purpose: str, data: bytes) -> bytes:
     from hvdlike.core.job_secret import derive
 
-    message = VERSION + b"\0" + purpose.encode() + b"\0" + data
-    return hmac.new(derive(secret, "hvdlike.run payload"), message, hashlib.sha256).digest()
+    mac = hmac.new(derive(secret, "hvdlike.run payload"), VERSION + b"\0", hashlib.sha256)
+    mac.update(purpose.encode() + b"\0")
+    mac.update(data)  # no copy of a large blob
+    return mac.digest()
 
 
 def seal(secret: str, purpose: str, obj: Any) -> bytes:
@@ -59,23 +69,36 @@ def seal(secret: str, purpose: str, obj: Any) -> bytes:
     return _mac(secret, purpose, data) + data
 
 
-def unseal(secret: str, purpose: str, blob: bytes) -> Any:
-    """Verify and unpickle a blob made by :func:`seal`.
+def verify(secret: str, purpose: str, blob: bytes) -> memoryview:
+    """The pickled bytes of a blob made by :func:`seal`, once its MAC matches
+    (not unpickled: what fails to unpickle is then told apart from a forgery).
 
     Raises:
         PayloadError: missing secret, truncated blob, or a MAC that does not match
             (forged, altered, sealed for another job or another purpose).
     """
-    import pickle
-
     if not secret:
         raise PayloadError("no job secret: refusing to unpickle an unauthenticated payload")
     if len(blob) < 32:
         raise PayloadError(f"{purpose}: truncated blob ({len(blob)} bytes)")
-    mac, data = blob[:32], blob[32:]
+    view = memoryview(blob)
+    mac, data = bytes(view[:32]), view[32:]
     if not hmac.compare_digest(mac, _mac(secret, purpose, data)):
         raise PayloadError(f"{purpose}: authentication failed; refusing to unpickle it")
-    return pickle.loads(data)
+    return data
+
+
+def unseal(secret: str, purpose: str, blob: bytes) -> Any:
+    """Verify and unpickle a blob made by :func:`seal`.
+
+    Raises:
+        PayloadError: as :func:`verify`; nothing is unpickled then.
+        Exception: whatever unpickling the authentic bytes raises (a module this
+            process cannot import, a class whose ``__reduce__`` fails here, ...).
+    """
+    import pickle
+
+    return pickle.loads(verify(secret, purpose, blob))
 
 
 def put(store, key: str, blob: bytes) -> None:

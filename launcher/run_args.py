@@ -11,15 +11,19 @@ means (see :mod:`.cli`), and the same combinations are refused.
 
 from __future__ import annotations
 
+import ipaddress
 import numbers
 import operator
+import re
 import shlex
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
 from hvdlike.core import config as core_config
 
 from .errors import LaunchError
-from .hosts import HostSlots, parse_hosts, read_hostfile
+from .hosts import (
+    _HOST, MAX_RANKS, HostSlots, _checked_host, _no_repeats, parse_hosts, read_hostfile,
+)
 
 
 def count_arg(value: Any, name: str, minimum: int = 1) -> Optional[int]:
@@ -104,7 +108,32 @@ def host_list(hosts: Union[None, str, Sequence[HostSlots]], hostfile: Any,
     if not listed or not all(isinstance(h, HostSlots) for h in listed):
         raise LaunchError("hvdlike.run: hosts must be a 'host:slots,...' string or a list of "
                           "HostSlots")
-    return listed
+    return _no_repeats([_checked_slots(i, entry) for i, entry in enumerate(listed)],
+                       "hvdlike.run: hosts")
+
+
+def _checked_slots(index: int, entry: HostSlots) -> HostSlots:
+    """``hosts[index]`` checked as ``parse_hosts`` checks an entry of the string form:
+    a ``[user@]host`` name ssh cannot take as an option, slots from 1 to MAX_RANKS."""
+    where = f"hvdlike.run: hosts[{index}]"
+    host = entry.host
+    if not isinstance(host, str):
+        raise LaunchError(f"{where}: host must be a str, got {type(host).__name__} {host!r:.60}")
+    user, at, name = host.rpartition("@")
+    spec = host
+    if ":" in name and not name.startswith("["):  # an IPv6 address, as parse_hosts leaves it
+        try:
+            ipaddress.IPv6Address(name)
+        except ValueError:
+            raise LaunchError(f"{where}: host {host!r} is not valid: a host name has no ':' "
+                              f"(the slots go in HostSlots.slots)") from None
+        spec = f"{user}{at}[{name}]"
+    if re.fullmatch(_HOST, spec) is None:
+        raise LaunchError(f"{where}: host {host!r} is not valid: expected [user@]host")
+    slots = count_arg(entry.slots, f"hosts[{index}].slots")
+    if slots > MAX_RANKS:
+        raise LaunchError(f"{where}: slots {slots} is more than the limit of {MAX_RANKS}")
+    return HostSlots(_checked_host(spec, f"{where} ({host!r})"), slots)
 
 
 def port_arg(value: Any, name: str) -> Optional[int]:

@@ -4,6 +4,11 @@ Reads the sealed ``(fn, args, kwargs)`` from the job's store, refuses it unless
 its HMAC matches the job secret, runs it, and stores the sealed outcome under
 this rank's result key. Exit status 0 when ``fn`` returned, 1 when it raised
 (the caller gets the exception), 3 when the payload was refused.
+
+The outcome holds the return value pickled on its own, and for an exception its
+type name, message and traceback as text, plus the exception pickled on its own
+when it unpickles again here: the caller can always read the text, and reports a
+value or exception it cannot rebuild without losing the rest.
 """
 
 from __future__ import annotations
@@ -19,8 +24,8 @@ from hvdlike.core.topology import (
 )
 
 from .payload import (
-    MAX_BLOB_BYTES, PAYLOAD_KEY, PayloadError, get, put, result_key, result_purpose, seal,
-    unseal,
+    EXCEPTION_PICKLE, MAX_BLOB_BYTES, PAYLOAD_KEY, VALUE_PICKLE, PayloadError, get, put,
+    result_key, result_purpose, seal, unseal,
 )
 
 REFUSED = 3
@@ -86,16 +91,37 @@ def _outcome(fn, args, kwargs):
                 "message": "fn ended with sys.exit(0) (the process left the job) "
                            "without returning a result"}
     except BaseException as exc:  # noqa: BLE001 - every failure goes back to the caller
-        outcome = {"ok": False, "type": type(exc).__name__, "message": str(exc),
+        outcome = {"ok": False, "type": type(exc).__name__, "message": _text_of(exc),
                    "traceback": traceback.format_exc()}
-        try:
-            import cloudpickle
-
-            cloudpickle.dumps(exc)
-            outcome["exception"] = exc
-        except Exception:  # unpicklable exceptions travel as text only
-            pass
+        pickled = _round_trip(exc)
+        if pickled is not None:  # otherwise it travels as text only
+            outcome[EXCEPTION_PICKLE] = pickled
         return outcome
+
+
+def _text_of(exc: BaseException) -> str:
+    try:
+        return str(exc)
+    except Exception as failure:  # noqa: BLE001 - a broken __str__ must not lose the error
+        return f"<str() of the exception failed: {type(failure).__name__}>"
+
+
+def _round_trip(exc: BaseException):
+    """``exc`` pickled, when those bytes also unpickle into an exception here; else
+    None. An exception can pickle and still not unpickle: a class whose
+    ``__init__`` takes arguments its ``args`` do not give back, a ``__reduce__``
+    that fails when called."""
+    import pickle
+
+    import cloudpickle
+
+    try:
+        data = cloudpickle.dumps(exc)
+        return data if isinstance(pickle.loads(data), BaseException) else None
+    except KeyboardInterrupt:
+        raise
+    except BaseException:  # noqa: BLE001 - whatever fails (sys.exit too), the text goes back
+        return None
 
 
 def main() -> int:
@@ -136,6 +162,10 @@ def main() -> int:
     outcome["host"] = os.environ.get(ENV_HOSTNAME) or socket.gethostname()
     purpose = result_purpose(rank, generation)
     try:
+        if "value" in outcome:  # pickled on its own (see payload.VALUE_PICKLE)
+            import cloudpickle
+
+            outcome[VALUE_PICKLE] = cloudpickle.dumps(outcome.pop("value"))
         blob = seal(secret, purpose, outcome)
         if len(blob) > MAX_BLOB_BYTES:
             raise PayloadError(f"it pickles to {len(blob)} bytes, more than the "
