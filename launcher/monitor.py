@@ -1,8 +1,11 @@
-"""Watching the ranks: states, output, failure, stopping.
+r"""Watching the ranks: states, output, failure, stopping.
 
-Each rank is a :class:`Worker` wrapping its helper process (local or ssh). Output
-is forwarded line by line with a ``[rank]<stdout>:`` / ``[rank]<stderr>:``
-prefix to the launcher's stdout / stderr, and optionally to per-rank log files.
+Each rank is a :class:`Worker` wrapping its helper process (local or ssh). Its
+output is read in bounded chunks and forwarded with a ``[rank]<stdout>:`` /
+``[rank]<stderr>:`` prefix to the launcher's stdout / stderr: a line as soon as it
+is complete, a ``\r``-ended piece (a progress bar) as soon as it is written, and
+text without a line end once the rank pauses (see :class:`PieceSplitter`). The
+rank's bytes also go, unchanged, to per-rank log files when asked.
 :func:`monitor` waits until every rank has ended; the first failure (non-zero
 exit or death by signal) or an interrupt stops every other rank: the helper's
 stdin is closed, which makes it SIGTERM the rank's process group and SIGKILL it
@@ -11,27 +14,40 @@ after the grace period. Helpers that do not end in time are killed outright.
 
 from __future__ import annotations
 
+import codecs
 import collections
 import dataclasses
 import enum
+import errno
 import json
 import os
 import queue
 import re
+import select
 import signal
 import subprocess
 import sys
 import threading
 import time
-from typing import IO, Callable, Deque, Dict, List, Optional, Sequence
+from typing import IO, Callable, Deque, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from ..core.errors import SHUT_DOWN, SHUT_DOWN_UNDER
 from .hosts import RankPlacement
+from .output_files import open_output_file
 
 TAIL_LINES = 10
 SSH_FAILURE = 255
 ROOT_CAUSE_WINDOW = 2.0  # seconds
 PUMP_DRAIN_SECONDS = 5.0
+READ_SIZE = 65536  # bytes taken from a rank's pipe at a time
+PIECE_CAP = 65536  # characters of a line held back at most while waiting for its end
+SHOW_PARTIAL_AFTER = 0.1  # seconds a rank stays quiet before text without a line end is shown
+TAIL_LINE_CHARS = 2000  # characters kept of each line of stderr_tail
+
+# A piece of a rank's output: its text and how it ended: "\n" or "\r\n" (a line),
+# "\r" (a carriage return: a progress bar's update), or "" (no end yet: more may follow).
+Piece = Tuple[str, str]
+_PIECE_END = re.compile("\r\n|\r|\n")
 
 
 class WorkerState(enum.Enum):
@@ -62,45 +78,227 @@ def describe_exit(code: int, remote: bool) -> str:
 
 
 class Output:
-    """Serialises prefixed lines from all ranks onto the launcher's streams.
+    r"""Serialises prefixed pieces of output from all ranks onto the launcher's streams.
 
-    When a stream's reader goes away (``hvdlike-run ... | head``), writing to it
-    fails: from then on its lines are dropped (the ranks' pipes are still
-    drained, and ``--output-filename`` files still written) and ``on_closed``
-    is called once, which :func:`monitor` turns into a stop of every rank.
+    Every line shown starts with its rank's prefix. A rank's piece that has no
+    line end yet (text shown while the rank pauses, or a long line forwarded in
+    parts) is continued without a prefix while nothing else was written after it;
+    when another rank or a launcher note writes in between, the open line is ended
+    first and the rest comes on a new, prefixed line. A ``\r``-ended piece is
+    written with its ``\r``, so the rank's next update overwrites it on a terminal;
+    anything else written after it starts on a new line, so the update stays shown.
+
+    When a stream's reader goes away (``hvdlike-run ... | head``: a broken pipe),
+    its lines are dropped from then on (the ranks' pipes are still drained, and
+    ``--output-filename`` files still written) and ``on_closed`` is called once,
+    which :func:`monitor` turns into a stop of every rank, as a shell pipeline's
+    SIGPIPE would. Any other failure to write (the stream was closed when the
+    launcher started, ``EBADF``, a full disk, ``EIO``) drops that stream's lines
+    too, but the job keeps running; it is said once on the other stream.
     """
 
     def __init__(self, stdout: IO[str] = None, stderr: IO[str] = None, timestamps: bool = False):
         self._streams = {"stdout": stdout or sys.stdout, "stderr": stderr or sys.stderr}
         self.timestamps = timestamps  # lines start with time.asctime(), as Horovod's do
         self._lock = threading.Lock()
-        self.closed: Dict[str, str] = {}  # stream -> why writing to it failed
+        self.closed: Dict[str, str] = {}  # stream -> why: its reader went away (the job stops)
+        self.dropped: Dict[str, str] = {}  # stream -> why it cannot be written (the job goes on)
         self.on_closed: Optional[Callable[[str], None]] = None
+        # Where each stream's text lands: both on one terminal or file share a line.
+        shared = _same_file(self._streams["stdout"], self._streams["stderr"])
+        self._screen = {"stdout": "stdout", "stderr": "stdout" if shared else "stderr"}
+        # screen -> (who wrote last: (rank, stream), or None for the launcher; how it ended)
+        self._at: Dict[str, Tuple[Optional[Tuple[int, str]], str]] = {}
+        # (rank, stream) -> how the rank's last piece there ended
+        self._ends: Dict[Tuple[int, str], str] = {}
 
     def _write(self, stream: str, text: str) -> None:
-        if stream in self.closed:
+        if stream in self.closed or stream in self.dropped:
             return
         out = self._streams[stream]
         try:
             if out is None:  # the launcher was started with this descriptor closed
-                raise OSError("not open")
+                raise OSError(errno.EBADF, "closed at start")
             out.write(text)
             out.flush()
         except (OSError, ValueError) as exc:  # ValueError: a closed file object
-            self.closed[stream] = str(exc)
             _silence(out)
-            if len(self.closed) == 1 and self.on_closed is not None:
-                self.on_closed(stream)
+            if _reader_gone(exc):
+                self.closed[stream] = str(exc)
+                if len(self.closed) == 1 and self.on_closed is not None:
+                    self.on_closed(stream)
+                return
+            why = (exc.strerror if isinstance(exc, OSError) else None) or str(exc)
+            self.dropped[stream] = why
+            other = "stderr" if stream == "stdout" else "stdout"
+            self._emit(other, f"hvdlike-run: cannot write to {stream} ({why}); "
+                              "its lines are dropped from now on\n")
 
-    def line(self, rank: int, stream: str, text: str) -> None:
+    def _emit(self, stream: str, text: str) -> None:
+        """Write a launcher message, made of whole lines, on ``stream``."""
+        screen = self._screen[stream]
+        end = self._at.get(screen, (None, "\n"))[1]
+        self._at[screen] = (None, "\n")
+        self._write(stream, ("\n" if end in ("", "\r") else "") + text)
+
+    def pieces(self, rank: int, stream: str, pieces: Iterable[Piece]) -> None:
+        """Forward pieces of rank ``rank``'s ``stream`` (see :class:`PieceSplitter`)."""
         with self._lock:
             when = time.asctime() if self.timestamps else ""
-            self._write(stream, f"{when}[{rank}]<{stream}>:{text}\n")
+            me, screen = (rank, stream), self._screen[stream]
+            parts = []
+            for text, end in pieces:
+                last = self._ends.get(me, "\n")
+                at = self._at.get(screen, (None, "\n"))
+                if not text:
+                    if not end:
+                        continue
+                    if end == "\r":  # back to the start of its line: only if one is open
+                        if at == (me, ""):
+                            parts.append(end)
+                            self._at[screen] = (me, end)
+                        self._ends[me] = "\r" if last in ("", "\r") else "\n"
+                        continue
+                    if last in ("", "\r"):  # ends a line already shown ("\r" + "\n": CR LF)
+                        if at == (me, last):
+                            parts.append(end)
+                            self._at[screen] = (me, "\n")
+                        self._ends[me] = "\n"
+                        continue
+                if at == (me, ""):  # its own open line: continue it
+                    parts.append(text + end)
+                else:
+                    if at[1] == "" or (at[1] == "\r" and at[0] != me):
+                        parts.append("\n")  # keep what is shown; start a new line
+                    parts.append(f"{when}[{rank}]<{stream}>:{text}{end}")
+                ended = "\n" if end == "\r\n" else end
+                self._at[screen] = (me, ended)
+                self._ends[me] = ended
+            if parts:
+                self._write(stream, "".join(parts))
+
+    def line(self, rank: int, stream: str, text: str) -> None:
+        """Forward one line of rank ``rank``'s ``stream``."""
+        self.pieces(rank, stream, [(text, "\n")])
 
     def note(self, text: str) -> None:
         """A launcher message on stderr."""
         with self._lock:
-            self._write("stderr", f"hvdlike-run: {text}\n")
+            self._emit("stderr", f"hvdlike-run: {text}\n")
+
+
+def _same_file(one, other) -> bool:
+    """Whether two streams write to the same terminal, pipe or file."""
+    try:
+        first, second = os.fstat(one.fileno()), os.fstat(other.fileno())
+    except (AttributeError, OSError, ValueError):  # no descriptor (e.g. io.StringIO), or closed
+        return False
+    return (first.st_dev, first.st_ino) == (second.st_dev, second.st_ino)
+
+
+def _reader_gone(exc: Exception) -> bool:
+    """Whether a failed write means the stream's reader went away (a broken pipe)."""
+    if isinstance(exc, ValueError):  # the stream's file object was closed
+        return True
+    return isinstance(exc, (BrokenPipeError, ConnectionResetError)) or exc.errno in (
+        errno.EPIPE, errno.ECONNRESET)
+
+
+class PieceSplitter:
+    r"""Cuts the bytes of one rank's stream into :data:`Piece` s to forward.
+
+    Bytes are decoded as UTF-8 (invalid bytes become U+FFFD; a character split
+    between two chunks is kept whole). Every ``\n``, ``\r\n`` or ``\r`` ends a
+    piece. Text without a line end is held back, up to ``cap`` characters: beyond
+    that it is forwarded as an open piece (end ``""``) and the line goes on in the
+    next piece, so memory stays bounded whatever the rank writes; :meth:`flush`
+    forwards it at once (when the rank pauses), :meth:`close` at the end.
+    """
+
+    def __init__(self, cap: int = PIECE_CAP):
+        self.cap = cap
+        self._decode = codecs.getincrementaldecoder("utf-8")(errors="replace").decode
+        self._held: List[str] = []
+        self._size = 0
+        self._open = False  # part of the current line was already forwarded
+
+    @property
+    def pending(self) -> bool:
+        """Whether text without a line end is held back."""
+        return self._size > 0
+
+    def feed(self, data: bytes) -> List[Piece]:
+        """The pieces completed by ``data`` (the next bytes read)."""
+        text = self._decode(data)
+        found: List[Piece] = []
+        start = 0
+        for match in _PIECE_END.finditer(text):
+            found.append((self._take(text[start:match.start()]), match.group()))
+            self._open = False
+            start = match.end()
+        if start < len(text):
+            self._held.append(text[start:])
+            self._size += len(text) - start
+            if self._size >= self.cap:
+                found.extend(self.flush())
+        return found
+
+    def flush(self) -> List[Piece]:
+        """The text held back, as an open piece (none if nothing is held)."""
+        if not self._size:
+            return []
+        self._open = True
+        return [(self._take(""), "")]
+
+    def close(self) -> List[Piece]:
+        """The last pieces, at the end of the stream: an unfinished line is ended."""
+        text = self._take(self._decode(b"", final=True))
+        if text or self._open:
+            self._open = False
+            return [(text, "\n")]
+        return []
+
+    def _take(self, text: str) -> str:
+        if self._held:
+            text = "".join(self._held) + text
+            self._held, self._size = [], 0
+        return text
+
+
+class _Tail:
+    r"""Keeps the last lines of a rank's stderr, each cut to ``TAIL_LINE_CHARS``.
+
+    A run of ``\r``-ended pieces (a progress bar) keeps only its latest update.
+    """
+
+    def __init__(self, lines: Deque[str]):
+        self.lines = lines
+        self._line = ""
+        self._cut = False  # the current line is longer than what is kept of it
+        self._progress = False  # the last line kept is a progress update
+
+    def add(self, text: str, end: str) -> None:
+        """Take in the next piece of the stream (see :class:`PieceSplitter`)."""
+        room = TAIL_LINE_CHARS - len(self._line)
+        if len(text) > room:
+            text, self._cut = text[:max(room, 0)], True
+        self._line += text
+        if not end:
+            return
+        line = self._line + (" ..." if self._cut else "")
+        self._line, self._cut = "", False
+        if end == "\r":
+            if line:
+                if self._progress and self.lines:
+                    self.lines[-1] = line
+                else:
+                    self.lines.append(line)
+                self._progress = True
+        elif line or not self._progress:
+            self.lines.append(line)
+            self._progress = False
+        else:  # the line end after a progress update
+            self._progress = False
 
 
 def _close_quietly(handle) -> None:
@@ -176,33 +374,56 @@ class Worker:
             pass  # the helper already died; its exit status tells why
 
     def _pump(self, stream: str) -> None:
+        """Forward one of the rank's streams until it ends (see :class:`PieceSplitter`)."""
         source = getattr(self._proc, stream)
         log = None
         if self._log_dir:
             path = os.path.join(self._log_dir, f"rank.{self.rank}", stream)
             try:
                 os.makedirs(os.path.dirname(path), exist_ok=True)
-                log = open(path, "wb")  # the rank's bytes as they came, not re-encoded
+                # The rank's bytes as they came, not re-encoded; never through a
+                # symbolic link or into a FIFO planted since the launcher's check.
+                log = os.fdopen(open_output_file(path), "wb")
             except OSError as exc:  # the rank's output still reaches the launcher's streams
                 self._output.note(f"cannot write {path}: {exc.strerror or exc}")
+        splitter = PieceSplitter()
+        tail = _Tail(self.stderr_tail) if stream == "stderr" else None
+
+        def forward(pieces: List[Piece]) -> None:
+            if tail is not None:
+                for text, end in pieces:
+                    tail.add(text, end)
+            if pieces:
+                self._output.pieces(self.rank, stream, pieces)
+
         try:
-            for raw in iter(source.readline, b""):
-                text = raw.decode("utf-8", errors="replace").rstrip("\n")
-                if stream == "stderr":
-                    self.stderr_tail.append(text)
-                self._output.line(self.rank, stream, text)
+            fd = source.fileno()
+            readable = select.poll()
+            readable.register(fd, select.POLLIN)
+            while True:
+                if splitter.pending and not readable.poll(SHOW_PARTIAL_AFTER * 1000):
+                    forward(splitter.flush())  # the rank paused: show what it wrote so far
+                try:
+                    data = os.read(fd, READ_SIZE)
+                except OSError:
+                    break
+                if not data:
+                    break
                 if log:
                     try:
-                        log.write(raw)
+                        log.write(data)
                         log.flush()
                     except OSError as exc:  # e.g. a full disk: keep forwarding, stop logging
-                        self._output.note(f"cannot write {log.name}: {exc.strerror or exc}; "
+                        self._output.note(f"cannot write {path}: {exc.strerror or exc}; "
                                           f"rank {self.rank} {stream} is no longer saved there")
                         _close_quietly(log)
                         log = None
+                forward(splitter.feed(data))
+            forward(splitter.close())
         finally:
             if log:
                 _close_quietly(log)
+            _close_quietly(source)
 
     def wait(self) -> int:
         """Block until the helper ends and its output is drained; return its status."""
