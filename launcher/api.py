@@ -25,7 +25,7 @@ from . import run_args
 from .errors import LaunchError
 from .hosts import HostSlots
 from .job import Job
-from .launch_config import LaunchConfig, SshOptions, effective_settings
+from .launch_config import LaunchConfig, SshOptions, current_directory, effective_settings
 from .monitor import describe_exit
 from .task import LOADING_ENV, REFUSED
 from .payload import (
@@ -53,17 +53,12 @@ class RankError(HvdlikeError):
 
 
 def _current_directory() -> str:
-    """The caller's working directory, where the ranks start; a :class:`LaunchError`
-    when it is gone (deleted under the caller) or cannot be read."""
+    """The caller's working directory, where the ranks start (see
+    :func:`~.launch_config.current_directory`)."""
     try:
-        return os.getcwd()
-    except FileNotFoundError:
-        raise LaunchError("hvdlike.run: the current directory no longer exists (it was "
-                          "deleted); the ranks start in the caller's current "
-                          "directory, so change to an existing one first") from None
-    except OSError as exc:
-        raise LaunchError(f"hvdlike.run: the current directory cannot be determined "
-                          f"({exc}); the ranks start in it") from None
+        return current_directory()
+    except LaunchError as exc:
+        raise LaunchError(f"hvdlike.run: {exc}") from None
 
 
 def _rank_pythonpath(cwd: str, pythonpath: str) -> str:
