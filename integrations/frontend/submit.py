@@ -111,6 +111,8 @@ def submit(entries, process_set, frontend: str) -> List[Handle]:
         return runtime.submit(entries, set_id, frontend)
     except DuplicateNameError as exc:
         raise _name_in_use(exc, entries, frontend) from exc
+    except ValueError as exc:
+        raise _named_by(exc, entries, frontend) from None
 
 
 def submit_one(entry, frontend: str) -> Handle:
@@ -122,6 +124,8 @@ def submit_one(entry, frontend: str) -> Handle:
         return runtime.submit_one(entry, frontend)
     except DuplicateNameError as exc:
         raise _name_in_use(exc, [entry], frontend) from exc
+    except ValueError as exc:
+        raise _named_by(exc, [entry], frontend) from None
 
 
 def run(entry, process_set, frontend: str):
@@ -135,6 +139,22 @@ def run(entry, process_set, frontend: str):
         return api.runtime().run(entry, set_id, frontend)
     except DuplicateNameError as exc:
         raise _name_in_use(exc, [entry], frontend) from exc
+    except ValueError as exc:
+        raise _named_by(exc, [entry], frontend) from None
+
+
+def _named_by(exc: ValueError, entries, frontend: str) -> ValueError:
+    """The runtime's refusal of ``entries`` (a rank outside the set, a broadcast
+    root outside it, a set not registered), prefixed with the front end and
+    operation as every argument error of the front ends is; other kinds of
+    ValueError pass unchanged."""
+    if type(exc) is not ValueError:
+        return exc
+    message = str(exc)
+    op = entries[0].request.op.name.lower() if entries else ""
+    if op and message.startswith(op + ":"):
+        return ValueError(f"{frontend}.{message}")
+    return ValueError(f"{frontend}.{op}: {message}" if op else f"{frontend}: {message}")
 
 
 def _name_in_use(exc: DuplicateNameError, entries, frontend: str) -> DuplicateNameError:

@@ -104,7 +104,11 @@ def test_static_process_sets_three_ranks(tmp_path):
         assert out["global"] == "ProcessSet(process_set_id=0, ranks=[0, 1, 2], mpi_comm=None)"
         assert out["sizes"] == [2, 2, 2]
         assert out["after"] == 3.0
-        assert "not a member of process set" in out["errors"]["outside"]
+        # prefixed like every other argument error of the front end
+        assert out["errors"]["outside"].startswith(
+            f"hvdlike.torch.allreduce: rank {r} is not a member of process set"), out["errors"]
+        assert out["errors"]["root"].startswith(
+            "hvdlike.torch.broadcast: root_rank "), out["errors"]
         assert "is not a member of process set" in out["errors"]["root"]
     sets = {1: [0, 1], 2: [1, 2], 3: [0, 2]}
     for r, out in enumerate(results):
