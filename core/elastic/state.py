@@ -121,7 +121,7 @@ class State:
         else:
             agreed = self._bcast_object(latest, root_rank=0)
         if agreed > ctx.generation:
-            raise HostsUpdatedInterrupt(skip_sync=ctx.read(agreed).removed_only)
+            raise HostsUpdatedInterrupt(skip_sync=_removed_only(ctx, agreed))
 
     def _context(self) -> worker_mod.WorkerContext:
         return self._worker or worker_mod.context()
@@ -142,6 +142,26 @@ class State:
 
     def reset(self) -> None:
         """Adapt to the new job (size, rank) after a re-form, before :meth:`sync`."""
+
+
+def _removed_only(ctx: worker_mod.WorkerContext, agreed: int) -> bool:
+    """Whether every generation published since this rank's own, up to ``agreed``,
+    only removed ranks: only then do the survivors' committed states still agree
+    with every member's, and the sync after the re-form may be skipped.
+
+    A generation that added ranks and was replaced before the survivors reached
+    a commit (an add, then a removal, within one commit interval) still put new
+    ranks in ``agreed``'s table that never synced, though ``agreed`` itself only
+    removed one: its flag alone would let the survivors skip the sync the new
+    ranks wait in. Every survivor is in the same generation and reads the same
+    published tables, so all decide alike; a table that cannot be read counts as
+    an addition (syncing is always correct).
+    """
+    try:
+        return all(ctx.read(number).removed_only
+                   for number in range(ctx.generation + 1, agreed + 1))
+    except Exception:  # noqa: BLE001 - see above: sync when in doubt
+        return False
 
 
 class ObjectState(State):

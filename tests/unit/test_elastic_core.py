@@ -74,6 +74,31 @@ def test_commit_raises_hosts_updated_once_a_newer_generation_is_published():
     assert info.value.skip_sync is True
 
 
+def test_an_addition_followed_by_a_removal_within_one_commit_interval_still_syncs():
+    # Generation 2 added w2, generation 3 removed w1 before the survivors' next
+    # commit: 3's own flag says "removed only", but w2 never synced with them and
+    # waits in the sync; skipping it deadlocked the job.
+    store = FakeStore()
+    _publish(store, 1, ["w0", "w1"])
+    ctx, _ = _context(store, worker="w0")
+    state = _state(ctx, step=0)
+    _publish(store, 2, ["w0", "w1", "w2"], removed_only=False)
+    _publish(store, 3, ["w0", "w2"], removed_only=True)
+    with pytest.raises(HostsUpdatedInterrupt) as info:
+        state.commit()
+    assert info.value.skip_sync is False
+    # Removals only since this rank's generation: the sync is skipped.
+    store = FakeStore()
+    _publish(store, 1, ["w0", "w1", "w2"])
+    ctx, _ = _context(store, worker="w0")
+    state = _state(ctx, step=0)
+    _publish(store, 2, ["w0", "w1"], removed_only=True)
+    _publish(store, 3, ["w0"], removed_only=True)
+    with pytest.raises(HostsUpdatedInterrupt) as info:
+        state.commit()
+    assert info.value.skip_sync is True
+
+
 def test_commit_agrees_on_the_newest_generation_through_the_front_ends_allreduce():
     # The front ends' states agree by an allreduce (Max), which a joined rank takes
     # part in; it wins over the allgather given to the state.
