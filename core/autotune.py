@@ -34,6 +34,7 @@ applies rank 0's choice before that cycle's work is executed.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import statistics
 import struct
@@ -44,6 +45,7 @@ from .errors import ConfigError
 from .fusion import element_size
 from .log import logger
 from .messages import OpType
+from .output_file import open_output_file
 
 MIB = 1024 * 1024
 FUSION_GRID = tuple(n * MIB for n in (1, 4, 16, 64, 128))
@@ -183,7 +185,7 @@ class SampleLog:
     def __init__(self, path: str):
         self.path = path
         try:
-            with open(path, "w") as f:
+            with os.fdopen(open_output_file(path), "w") as f:  # no link followed
                 f.write(",".join(CSV_HEADER) + "\n")
         except OSError as exc:
             raise ConfigError(f"HVDLIKE_AUTOTUNE_LOG={path!r}: cannot write the autotune "
@@ -196,7 +198,7 @@ class SampleLog:
                   "" if score is None else f"{score:.6g}", nbytes,
                   "" if seconds is None else f"{seconds:.6f}", kind)
         try:
-            with open(self.path, "a") as f:
+            with os.fdopen(open_output_file(self.path, truncate=False), "a") as f:
                 f.write(",".join("" if v is None else str(v) for v in values) + "\n")
         except OSError as exc:
             logger.warning("autotune: stopped writing %s: %s", self.path, exc)

@@ -49,6 +49,8 @@ import threading
 import time
 from typing import Dict, Optional
 
+from .output_file import open_output_file
+
 DEFAULT_MAX_BYTES = 1 << 30
 MIN_MAX_BYTES = 4096  # room for the header, a few events and the truncation mark
 _RESERVE = 256  # kept free for the truncation mark and the closing bracket
@@ -101,7 +103,8 @@ class Timeline:
         if self._file is None and must_append:
             raise _NotATimeline(path)
         if self._file is None:
-            self._file = open(path, "w", encoding="utf-8")
+            # Not through a symbolic link planted in a shared folder (see output_file).
+            self._file = os.fdopen(open_output_file(path), "w", encoding="utf-8")
             self._file.write("[\n")
         self._written = self._file.tell()
         self._first = self._written <= 2
@@ -276,7 +279,7 @@ def _reopen(path: str):
     """``path`` opened to continue its JSON array (closing bracket removed), or
     None when it is not a complete timeline file."""
     try:
-        f = open(path, "r+", encoding="utf-8")
+        f = os.fdopen(open_output_file(path, create=False, read=True), "r+", encoding="utf-8")
     except OSError:
         return None
     f.seek(0, os.SEEK_END)

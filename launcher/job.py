@@ -56,10 +56,10 @@ def check_local_command(command: List[str], cwd: str, path: Optional[str]) -> No
 
 def check_output_files(output_dir: str, rank: int) -> None:
     """Create ``output_dir/rank.N/{stdout,stderr}`` as the rank's output will be
-    written (see :mod:`.output_files`): regular files only, no symbolic
+    written (see :mod:`hvdlike.core.output_file`): regular files only, no symbolic
     link followed, so a file planted in a shared folder -- a FIFO that would
     block the launcher, a link to a file of the user's -- is refused by name."""
-    from .output_files import open_output_file
+    from hvdlike.core.output_file import open_output_file
 
     folder = os.path.join(output_dir, f"rank.{rank}")
     try:
@@ -78,6 +78,8 @@ def check_output_files(output_dir: str, rank: int) -> None:
 def check_writable_file(path: str, cwd: str, what: str) -> None:
     """Fail early, in one line, when a rank on this machine could not create ``path``."""
     full = os.path.join(cwd, path)
+    if os.path.islink(full):  # planted in a shared folder, it would make the job write there
+        raise LaunchError(f"{what} {path}: is a symbolic link; refusing to follow it")
     if os.path.isdir(full):
         raise LaunchError(f"{what} {path}: is a directory")
     try:

@@ -33,7 +33,7 @@ from typing import IO, Callable, Deque, Dict, Iterable, List, Optional, Sequence
 
 from ..core.errors import SHUT_DOWN, SHUT_DOWN_UNDER
 from .hosts import RankPlacement
-from .output_files import open_output_file
+from ..core.output_file import open_output_file
 
 TAIL_LINES = 10
 SSH_FAILURE = 255

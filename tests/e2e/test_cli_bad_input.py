@@ -234,6 +234,12 @@ def test_output_files_planted_in_a_shared_folder_are_refused_by_name(marker):
                              "python", str(marker / "hi.py")], timeout=60)
     assert code == 2, err
     assert "timeline.fifo: is a FIFO, socket or block device, not a file" in err
+    (marker / "timeline.json").symlink_to(victim)
+    code, out, err, _ = run(["-np", "2", "--timeline-filename", str(marker / "timeline.json"),
+                             "python", str(marker / "hi.py")], timeout=60)
+    assert code == 2, err
+    assert "timeline.json: is a symbolic link; refusing to follow it" in err
+    assert victim.read_text() == "precious\n"
 
 
 def test_a_job_refused_by_a_later_check_leaves_no_output_folders(marker):

@@ -215,3 +215,13 @@ def test_sample_boundary_splits_a_cycle_and_skips_idle_cycles(tmp_path):
     assert [(r["bytes"], r["seconds"]) for r in rows] == [("220", "2.000000"),
                                                          ("200", "1.000000")]
     assert float(rows[0]["score_bytes_per_second"]) == 110.0
+
+
+def test_an_autotune_log_that_is_a_planted_symbolic_link_is_refused(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    link = tmp_path / "autotune.csv"
+    link.symlink_to(victim)
+    with pytest.raises(ConfigError, match="is a symbolic link; refusing to follow it"):
+        SampleLog(str(link))
+    assert victim.read_text() == "precious\n"

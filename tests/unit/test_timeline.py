@@ -1,6 +1,7 @@
 """The timeline writer on its own: valid Chrome-trace JSON from several threads,
 readiness marks from the coordinator, the phases of a batch and the size cap."""
 
+import os
 import threading
 import time
 from types import SimpleNamespace
@@ -255,3 +256,19 @@ def test_an_unwritable_timeline_setting_names_the_variable_at_init(tmp_path):
     text = str(caught.value)
     assert text.startswith(f"HVDLIKE_TIMELINE={target!r}") and "cannot write" in text
     assert "start_timeline" not in text
+
+
+def test_a_timeline_path_that_is_a_planted_symbolic_link_is_refused(tmp_path):
+    # In a shared folder (/tmp) another user's link would make the job overwrite
+    # the file it points to.
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    link = tmp_path / "timeline.json"
+    link.symlink_to(victim)
+    with pytest.raises(OSError, match="is a symbolic link; refusing to follow it"):
+        Timeline(str(link))
+    fifo = tmp_path / "timeline.fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(OSError, match="is a FIFO, not a regular file"):
+        Timeline(str(fifo))  # and does not block
+    assert victim.read_text() == "precious\n"
