@@ -116,8 +116,28 @@ def _chain_excepthook() -> None:
             text = str(exc).splitlines()[0] if str(exc) else ""
             current.abort(f"exited with an uncaught {exc_type.__name__}"
                           + (f": {text}" if text else ""))
+            _abort_mpi()
 
     sys.excepthook = hook
+
+
+def _abort_mpi() -> None:
+    """End the whole MPI job (``MPI_Abort``) when this process runs under MPI.
+
+    Otherwise the dying rank blocks in ``MPI_Finalize`` at exit, waiting for
+    peers that wait in a collective for it: an ``mpirun`` job with an uncaught
+    exception on one rank hung forever. mpi4py's own ``python -m mpi4py`` does
+    the same for an uncaught exception; the traceback is already printed.
+    """
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None:
+        return
+    try:
+        if mpi.Is_initialized() and not mpi.Is_finalized():
+            sys.stderr.flush()
+            mpi.COMM_WORLD.Abort(1)
+    except Exception:  # noqa: BLE001 - the process is exiting anyway
+        pass
 
 
 def shutdown() -> None:

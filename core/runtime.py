@@ -441,6 +441,11 @@ class Runtime:
         if self.health is not None:
             self.health.announce(reason)
         self._set_fatal(HvdlikeInternalError(f"rank {self.topology.rank}: {reason}"))
+        # Peers waiting for this rank in shared memory give up at once, named,
+        # even when this process lives on (a Ray actor, a caught error).
+        from . import shm_segment
+
+        shm_segment.depart_all()
 
     def alive_error(self) -> Optional[BaseException]:
         """None while handles can still complete; otherwise why they cannot."""

@@ -46,6 +46,7 @@ import secrets
 import stat
 import threading
 import time
+import weakref
 from typing import Callable, List, Optional, Sequence
 
 from . import store_wait
@@ -332,6 +333,7 @@ class Segment:
         self._next_move = 0.0 if _GETCPU is not None else float("inf")
         self.pids: List[int] = []
         self.name = ""
+        _LIVE.add(self)
 
     # -- creation --------------------------------------------------------------------
 
@@ -530,6 +532,11 @@ class Segment:
             if gone:
                 who = ", ".join(f"rank {ranks[m]} (pid {self.pids[m]})" for m in gone)
                 raise HvdlikeInternalError(f"{who} exited during a shared-memory {what}")
+            left = [m for m in missing if self.read(m, _ATTACHED) == _DEPARTED]
+            if left:
+                who = ", ".join(f"rank {ranks[m]}" for m in left)
+                raise HvdlikeInternalError(f"{who} left the job (its runtime stopped) during a "
+                                           f"shared-memory {what}")
             if time.monotonic() > deadline:
                 who = ", ".join(f"rank {ranks[m]}" for m in missing)
                 raise HvdlikeInternalError(
@@ -537,7 +544,18 @@ class Segment:
 
         self.wait_all(check)
 
+    def depart(self) -> None:
+        """Tell the other members this one will reach no further sync point
+        (``_ATTACHED`` set to ``_DEPARTED``): one waiting for it gives up at its
+        next look, naming it, instead of waiting for its process to exit or for
+        the timeout -- this process may live on (a Ray actor, a caught error)."""
+        words = self.words
+        if words is not None:
+            words[self._word(self.me, _ATTACHED)] = _DEPARTED
+
     def close(self) -> None:
+        self.depart()
+        _LIVE.discard(self)
         self.words = None
         try:
             self.mm.close()
@@ -550,6 +568,16 @@ class Segment:
 # thread that arrived last and the CPU it arrived on (``_TID``, ``_CPU``), and
 # the count of its CPUs numbered higher.
 _PID, _ATTACHED, _SLEEPING, _MASK = 1, 2, 3, 4
+_DEPARTED = -1  # in _ATTACHED: the member left (see Segment.depart)
+# Every segment this process has mapped and not closed (see depart_all).
+_LIVE: "weakref.WeakSet[Segment]" = weakref.WeakSet()
+
+
+def depart_all() -> None:
+    """:meth:`Segment.depart` every segment this process has open: its runtime
+    stopped at once (an abort), and no member waiting for it should wait longer."""
+    for segment in list(_LIVE):
+        segment.depart()
 _BEYOND = _WORDS_PER_LINE - 1
 _CPU, _TID = _BEYOND - 1, _BEYOND - 2
 _MASK_WORDS = _TID - _MASK

@@ -230,6 +230,44 @@ def test_a_failing_rank_ends_the_mpirun_job_without_a_hang():
     assert "rank one gives up" in output
 
 
+def test_an_uncaught_exception_in_a_plain_script_ends_the_mpirun_job(tmp_path):
+    # The harness's worker catches a rank's exception and exits; a plain script
+    # does not: its rank used to block in MPI_Finalize at exit, waiting for a
+    # peer that waited in a collective for it -- the job hung forever.
+    import os
+    import subprocess
+    import sys
+
+    from .harness import ROOT, _kill_all
+
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import torch\n"
+        "torch.set_num_threads(1)\n"
+        "import hvdlike.torch as hvd\n"
+        "hvd.init()\n"
+        "hvd.allreduce(torch.ones(2), name='before')\n"
+        "if hvd.rank() == 1:\n"
+        "    raise RuntimeError('rank one gives up')\n"
+        "hvd.allreduce(torch.ones(2), name='after')\n"
+        "hvd.shutdown()\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HVDLIKE_")}
+    env.update({"PYTHONPATH": ROOT + os.pathsep + env.get("PYTHONPATH", ""),
+                "OMP_NUM_THREADS": "1", "HVDLIKE_GLOO_TIMEOUT_SECONDS": "300"})
+    proc = subprocess.Popen([shutil.which("mpirun"), "-np", "2", sys.executable, str(script)],
+                            cwd=str(tmp_path), env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        _kill_all([proc])
+        pytest.fail("mpirun did not finish: the job hung")
+    finally:
+        _kill_all([proc])
+    assert proc.returncode != 0, output
+    assert "RuntimeError: rank one gives up" in output, output[-3000:]
+
+
 def _timeline(path):
     import json
 

@@ -277,3 +277,40 @@ def test_peer_error_quotes_the_uncaught_exception_of_the_rank_that_left():
     assert "ValueError: shard 1 is corrupt" in outputs[1]
     text = outputs[0]
     assert "rank 1 on" in text and "exited with an uncaught ValueError: shard 1 is corrupt" in text
+
+
+def _peer_aborts_and_lives_on(marker):
+    import hvdlike.torch as hvd
+    from hvdlike.core import api
+    from hvdlike.core.errors import HorovodInternalError
+
+    hvd.init()
+    hvd.allreduce(torch.ones(4), name="first")
+    if hvd.rank() == 1:
+        # What the Ray worker does when the user's function raises: the runtime
+        # stops at once, and the process (an actor) lives on.
+        api.runtime().abort("raised ValueError: boom on the actor")
+        deadline = time.monotonic() + 50
+        while not os.path.exists(marker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return "stayed"
+    try:
+        hvd.allreduce(torch.ones(4), name="second")
+        outcome = "no error"
+    except HorovodInternalError as exc:
+        outcome = str(exc)
+    open(marker, "w").close()
+    return outcome
+
+
+def test_a_peer_whose_runtime_stopped_but_whose_process_lives_fails_collectives_at_once(
+        tmp_path):
+    # On shared memory the peer waited in the negotiation until the timeout (here
+    # 300 s, past the harness's deadline): the segment never learnt the rank had
+    # left. (Over Gloo the wait ends when the rank's process does; see
+    # docs/launcher.md, Ray.)
+    results = run_ranks(_peer_aborts_and_lives_on, np=2, args=(str(tmp_path / "done"),),
+                        env={"HVDLIKE_SHM": "1", "HVDLIKE_GLOO_TIMEOUT_SECONDS": "300"},
+                        timeout=60)
+    assert results[1] == "stayed"
+    assert "rank 1" in results[0] and "boom on the actor" in results[0], results[0]
