@@ -134,7 +134,11 @@ def _abort_mpi() -> None:
         return
     try:
         if mpi.Is_initialized() and not mpi.Is_finalized():
-            sys.stderr.flush()
+            for stream in (sys.stdout, sys.stderr):  # Abort skips the interpreter's exit
+                try:
+                    stream.flush()
+                except Exception:  # noqa: BLE001 - a closed stream: nothing to keep
+                    pass
             mpi.COMM_WORLD.Abort(1)
     except Exception:  # noqa: BLE001 - the process is exiting anyway
         pass
