@@ -115,7 +115,7 @@ def _chain_excepthook() -> None:
         if current is not None and current.topology.size > 1:
             text = str(exc).splitlines()[0] if str(exc) else ""
             current.abort(f"exited with an uncaught {exc_type.__name__}"
-                          + (f": {text}" if text else ""))
+                          + (f": {text}" if text else ""), exiting=True)
             _abort_mpi()
 
     sys.excepthook = hook

@@ -430,22 +430,28 @@ class Runtime:
         if self.job_store is not None:
             self.job_store.close()  # a store this rank hosted (mpirun, srun)
 
-    def abort(self, reason: str) -> None:
-        """Stop at once without negotiating (this process is going down).
+    def abort(self, reason: str, exiting: bool = False) -> None:
+        """Stop at once without negotiating.
 
         Peers learn it from their next collective failing; the reason is left
         in the store so their error names this rank and why it went away.
+        ``exiting``: the process is about to exit (an uncaught exception), and
+        peers learn it from that; otherwise (a Ray actor whose function raised,
+        an error a script may catch) its shared-memory segments are marked
+        departed so that peers waiting there give up at once.
         """
         if self.fatal is not None:
             return
         if self.health is not None:
             self.health.announce(reason)
         self._set_fatal(HvdlikeInternalError(f"rank {self.topology.rank}: {reason}"))
-        # Peers waiting for this rank in shared memory give up at once, named,
-        # even when this process lives on (a Ray actor, a caught error).
-        from . import shm_segment
+        if not exiting:
+            # Peers waiting for this rank in shared memory give up at once, named,
+            # though this process lives on. (An exiting one is seen gone instead,
+            # just after the launcher has taken its exit: the failure stays its.)
+            from . import shm_segment
 
-        shm_segment.depart_all()
+            shm_segment.depart_all()
 
     def alive_error(self) -> Optional[BaseException]:
         """None while handles can still complete; otherwise why they cannot."""

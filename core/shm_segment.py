@@ -554,7 +554,6 @@ class Segment:
             words[self._word(self.me, _ATTACHED)] = _DEPARTED
 
     def close(self) -> None:
-        self.depart()
         _LIVE.discard(self)
         self.words = None
         try:
