@@ -8,6 +8,7 @@ its Horovod topology (rank, local rank, cross rank and sizes).
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import re
 from typing import List, Optional, Sequence
 
@@ -85,6 +86,30 @@ def _checked_host(host: str, where: str) -> str:
     return host
 
 
+def checked_name(host, where: str) -> str:
+    """A host given on its own (``HostSlots.host``) checked as an entry of ``-H`` is:
+    ``[user@]host``, an IPv6 address with or without brackets; returned as
+    :func:`parse_hosts` would give it.
+
+    Raises:
+        LaunchError: naming ``where`` and the host.
+    """
+    if not isinstance(host, str):
+        raise LaunchError(f"{where}: host must be a str, got {type(host).__name__} {host!r:.60}")
+    user, at, name = host.rpartition("@")
+    spec = host
+    if ":" in name and not name.startswith("["):  # an IPv6 address, as parse_hosts leaves it
+        try:
+            ipaddress.IPv6Address(name)
+        except ValueError:
+            raise LaunchError(f"{where}: host {host!r} is not valid: a host name has no ':' "
+                              f"(the slots go in HostSlots.slots)") from None
+        spec = f"{user}{at}[{name}]"
+    if re.fullmatch(_HOST, spec) is None:
+        raise LaunchError(f"{where}: host {host!r} is not valid: expected [user@]host")
+    return _checked_host(spec, f"{where} ({host!r})")
+
+
 def parse_hosts(text: str) -> List[HostSlots]:
     """Parse ``-H host1:4,host2:4`` (a host without ``:N`` has one slot).
 
@@ -115,7 +140,7 @@ def parse_hosts(text: str) -> List[HostSlots]:
         where = f"-H/--hosts entry {_clip(entry)}"
         result.append(HostSlots(_checked_host(host, where),
                                 1 if slots is None else _slots(slots, where)))
-    return _no_repeats(result, "-H/--hosts")
+    return no_repeats(result, "-H/--hosts")
 
 
 def parse_hostfile(text: str, name: str = "hostfile") -> List[HostSlots]:
@@ -153,7 +178,7 @@ def parse_hostfile(text: str, name: str = "hostfile") -> List[HostSlots]:
         result.append(HostSlots(_checked_host(host, where), slots))
     if not result:
         raise LaunchError(f"{name} lists no hosts")
-    return _no_repeats(result, name)
+    return no_repeats(result, name)
 
 
 def read_hostfile(path: str) -> List[HostSlots]:
@@ -167,7 +192,7 @@ def read_hostfile(path: str) -> List[HostSlots]:
     return parse_hostfile(text, f"hostfile {path!r}")
 
 
-def _no_repeats(hosts: List[HostSlots], where: str) -> List[HostSlots]:
+def no_repeats(hosts: List[HostSlots], where: str) -> List[HostSlots]:
     seen = set()
     for entry in hosts:
         if entry.host in seen:

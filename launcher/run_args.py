@@ -11,10 +11,8 @@ means (see :mod:`.cli`), and the same combinations are refused.
 
 from __future__ import annotations
 
-import ipaddress
 import numbers
 import operator
-import re
 import shlex
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
@@ -22,7 +20,7 @@ from hvdlike.core import config as core_config
 
 from .errors import LaunchError
 from .hosts import (
-    _HOST, MAX_RANKS, HostSlots, _checked_host, _no_repeats, parse_hosts, read_hostfile,
+    MAX_RANKS, HostSlots, checked_name, no_repeats, parse_hosts, read_hostfile,
 )
 
 
@@ -108,7 +106,7 @@ def host_list(hosts: Union[None, str, Sequence[HostSlots]], hostfile: Any,
     if not listed or not all(isinstance(h, HostSlots) for h in listed):
         raise LaunchError("hvdlike.run: hosts must be a 'host:slots,...' string or a list of "
                           "HostSlots")
-    return _no_repeats([_checked_slots(i, entry) for i, entry in enumerate(listed)],
+    return no_repeats([_checked_slots(i, entry) for i, entry in enumerate(listed)],
                        "hvdlike.run: hosts")
 
 
@@ -116,24 +114,11 @@ def _checked_slots(index: int, entry: HostSlots) -> HostSlots:
     """``hosts[index]`` checked as ``parse_hosts`` checks an entry of the string form:
     a ``[user@]host`` name ssh cannot take as an option, slots from 1 to MAX_RANKS."""
     where = f"hvdlike.run: hosts[{index}]"
-    host = entry.host
-    if not isinstance(host, str):
-        raise LaunchError(f"{where}: host must be a str, got {type(host).__name__} {host!r:.60}")
-    user, at, name = host.rpartition("@")
-    spec = host
-    if ":" in name and not name.startswith("["):  # an IPv6 address, as parse_hosts leaves it
-        try:
-            ipaddress.IPv6Address(name)
-        except ValueError:
-            raise LaunchError(f"{where}: host {host!r} is not valid: a host name has no ':' "
-                              f"(the slots go in HostSlots.slots)") from None
-        spec = f"{user}{at}[{name}]"
-    if re.fullmatch(_HOST, spec) is None:
-        raise LaunchError(f"{where}: host {host!r} is not valid: expected [user@]host")
+    host = checked_name(entry.host, where)
     slots = count_arg(entry.slots, f"hosts[{index}].slots")
     if slots > MAX_RANKS:
         raise LaunchError(f"{where}: slots {slots} is more than the limit of {MAX_RANKS}")
-    return HostSlots(_checked_host(spec, f"{where} ({host!r})"), slots)
+    return HostSlots(host, slots)
 
 
 def port_arg(value: Any, name: str) -> Optional[int]:
