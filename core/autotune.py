@@ -55,8 +55,9 @@ SAMPLES_PER_CANDIDATE = 3
 CSV_HEADER = ("sample", "fusion_threshold_bytes", "cycle_time_ms", "score_bytes_per_second",
               "bytes", "seconds", "kind")
 
-# Names Runtime.auto_name makes: "<op>[.ps<set>].noname.<counter>" (+ frontend suffixes).
-_AUTO_NAME = re.compile(r"^([a-z_]+(?:\.ps\d+)?\.noname)\.\d+")
+# Names Runtime.auto_name makes: "<op>[.ps<set>].noname.<counter>" (+ frontend suffixes),
+# also as the caller's part of a composite's name ("broadcast.broadcast_object.noname.4.size").
+_AUTO_NAME = re.compile(r"^([a-z_]+(?:\.[a-z_]+)?(?:\.ps\d+)?\.noname)\.\d+")
 _DECISION = struct.Struct("<qdB")  # fusion threshold, cycle time ms, settled flag
 
 

@@ -123,10 +123,10 @@ class JobStore:
         return view
 
     def close(self) -> None:
-        """Drop the hosted server, the in-process store and any shared secret file
-        (both kept with ``keep_server``: other lists' ranks may still need them)."""
-        if not self.keep_server:
-            self.joined()
+        """Drop the hosted server (kept with ``keep_server``: other lists' ranks may
+        still use it), the in-process store and any shared secret file (every rank
+        read it long ago: it is only read at start-up)."""
+        self.joined()
         if self._server is not None and self.keep_server:
             _KEPT_SERVERS[(self.rendezvous.addr, self.rendezvous.port)] = self._server
         self._server = None

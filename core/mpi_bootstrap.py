@@ -25,7 +25,7 @@ from typing import List, Mapping, Optional, Sequence, Tuple
 from .errors import ConfigError
 from .job_secret import new_secret
 from .topology import (  # noqa: F401 - topologies re-exported for older imports
-    ENV_GLOO_IFACE, Rendezvous, Topology, local_address_towards, topologies,
+    ENV_GLOO_IFACE, Rendezvous, Topology, checked, local_address_towards, topologies,
 )
 
 
@@ -300,40 +300,54 @@ def _expand_one(name: str, text: str) -> List[str]:
     return [prefix + n + tail for n in numbers for tail in tails]
 
 
-def expand_nodelist(text: str) -> List[str]:
+def expand_nodelist(text: str, name: str = "") -> List[str]:
     """Expand a Slurm node list into host names, in Slurm's order.
 
     Raises:
         ConfigError: unbalanced brackets, a malformed range, or more than
-            ``MAX_NODES`` names.
+            ``MAX_NODES`` names (prefixed with ``name``, the variable that
+            held ``text``, when given).
 
     Example:
         >>> expand_nodelist("node[1-3,5],gpu[01-02]")
         ['node1', 'node2', 'node3', 'node5', 'gpu01', 'gpu02']
     """
     hosts: List[str] = []
-    for name in _split_top_level(text):
-        hosts += _expand_one(name, text)
-        if len(hosts) > MAX_NODES:
-            raise _too_many(text)
+    try:
+        for part in _split_top_level(text):
+            hosts += _expand_one(part, text)
+            if len(hosts) > MAX_NODES:
+                raise _too_many(text)
+    except ConfigError as exc:
+        if not name:
+            raise
+        raise ConfigError(f"{name}: {exc}") from None
     return hosts
 
 
 def _from_slurm(environ: Mapping[str, str]):
     rank = _int(environ, "SLURM_PROCID")
-    size = _int(environ, "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in environ
-                else "SLURM_NTASKS")
+    size_var = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in environ else "SLURM_NTASKS"
+    size = _int(environ, size_var)
     local_rank = _int(environ, "SLURM_LOCALID")
     node_id = _int(environ, "SLURM_NODEID") if "SLURM_NODEID" in environ else 0
-    nodes = expand_nodelist(environ.get("SLURM_STEP_NODELIST",
-                                        environ.get("SLURM_JOB_NODELIST", "")))
-    tasks_per_node = expand_tasks_per_node(environ.get("SLURM_STEP_TASKS_PER_NODE",
-                                                       environ.get("SLURM_TASKS_PER_NODE", "")))
-    local_size = tasks_per_node[node_id] if node_id < len(tasks_per_node) else 1
+    nodes_var = "SLURM_STEP_NODELIST" if "SLURM_STEP_NODELIST" in environ else "SLURM_JOB_NODELIST"
+    nodes = expand_nodelist(environ.get(nodes_var, ""), nodes_var)
+    tasks_var = ("SLURM_STEP_TASKS_PER_NODE" if "SLURM_STEP_TASKS_PER_NODE" in environ
+                 else "SLURM_TASKS_PER_NODE")
+    tasks_per_node = expand_tasks_per_node(environ.get(tasks_var, ""), tasks_var)
+    if tasks_per_node and not 0 <= node_id < len(tasks_per_node):
+        raise ConfigError(f"srun: SLURM_NODEID={node_id} is outside the {len(tasks_per_node)} "
+                          f"node(s) of {tasks_var}={environ[tasks_var]!r}")
+    if tasks_var == "SLURM_STEP_TASKS_PER_NODE" and sum(tasks_per_node) != size:
+        # The step's own counts must add up to the step (the job's may be larger).
+        raise ConfigError(f"srun: {tasks_var}={environ[tasks_var]!r} adds up to "
+                          f"{sum(tasks_per_node)} task(s), {size_var} says {size}")
+    local_size = tasks_per_node[node_id] if tasks_per_node else 1
     cross = [n for n, count in enumerate(tasks_per_node) if count > local_rank] or [0]
-    topo = Topology(rank=rank, size=size, local_rank=local_rank, local_size=local_size,
-                    cross_rank=cross.index(node_id) if node_id in cross else 0,
-                    cross_size=len(cross), hostname=socket.gethostname())
+    topo = checked(Topology(rank=rank, size=size, local_rank=local_rank, local_size=local_size,
+                            cross_rank=cross.index(node_id) if node_id in cross else 0,
+                            cross_size=len(cross), hostname=socket.gethostname()), "srun")
     job = environ.get("SLURM_JOB_ID", "0")
     step = environ.get("SLURM_STEP_ID", "0")
     addr = environ.get("MASTER_ADDR") or (nodes[0] if nodes else "127.0.0.1")

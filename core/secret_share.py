@@ -10,13 +10,18 @@ others, is a link, or is older than the reader's process is refused (another
 local user can at most block the start, never inject a secret).
 
 Rank 0 deletes the file as soon as every rank has joined (see
-:meth:`~.job_store.JobStore.joined`) and again when its runtime closes.
+:meth:`~.job_store.JobStore.joined`) and again when its runtime closes. The
+file also names the process that wrote it: a rank 0 killed before it could
+delete its file (SIGKILL, or SIGTERM from ``scancel`` during start-up) leaves
+it behind, and the next rank 0 of this user on this host removes every such
+file whose writer is gone.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
 import stat
 import tempfile
 import time
@@ -31,10 +36,61 @@ def directory() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
+def _prefix() -> str:
+    return f"hvdlike-secret-{os.geteuid()}-"
+
+
 def path_for(tag: str) -> str:
     """Where the secret of the job named by ``tag`` is left (per user)."""
     digest = hashlib.sha256(tag.encode()).hexdigest()[:20]
-    return os.path.join(directory(), f"hvdlike-secret-{os.geteuid()}-{digest}")
+    return os.path.join(directory(), _prefix() + digest)
+
+
+def _alive_since(pid: int, written: float) -> bool:
+    """Whether process ``pid`` exists and may be the one that wrote at ``written``."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it exists (as another user: not the writer, but keep it)
+        return True
+    try:
+        import psutil
+
+        return psutil.Process(pid).create_time() <= written + 1.0  # else: the pid was reused
+    except Exception:  # psutil missing, or the process just ended
+        return True
+
+
+def sweep() -> int:
+    """Remove this user's secret files whose writer no longer runs; return how many."""
+    removed = 0
+    try:
+        names = [n for n in os.listdir(directory()) if n.startswith(_prefix())]
+    except OSError:
+        return 0
+    for name in names:
+        path = os.path.join(directory(), name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            _check(fd, path)
+            written = os.fstat(fd).st_mtime
+            match = re.fullmatch(r"[0-9a-f]{32}\n(\d{1,10})\n", os.read(fd, 128).decode(
+                errors="replace"))
+        except (ConfigError, OSError):
+            continue  # not a file this code wrote: leave it alone
+        finally:
+            os.close(fd)
+        if match and not _alive_since(int(match.group(1)), written):
+            try:
+                os.unlink(path)
+                removed += 1
+            except OSError:
+                pass
+    return removed
 
 
 def _started_at() -> float:
@@ -58,6 +114,7 @@ def _check(fd: int, path: str) -> None:
 
 def publish(tag: str) -> str:
     """Rank 0: draw a secret and leave it for the other local ranks; return it."""
+    sweep()
     path = path_for(tag)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
@@ -76,7 +133,7 @@ def publish(tag: str) -> str:
         raise ConfigError(f"cannot create {path} to share the job secret: {exc.strerror}; "
                           "set HVDLIKE_JOB_SECRET instead") from None
     try:
-        os.write(fd, secret.encode())
+        os.write(fd, f"{secret}\n{os.getpid()}\n".encode())
     finally:
         os.close(fd)
     return secret
@@ -97,7 +154,7 @@ def receive(tag: str, timeout_seconds: float) -> str:
             try:
                 _check(fd, path)
                 fresh = os.fstat(fd).st_mtime >= not_before
-                text = os.read(fd, 64).decode(errors="replace").strip()
+                text = os.read(fd, 128).decode(errors="replace").partition("\n")[0]
             finally:
                 os.close(fd)
             if fresh and len(text) == 32:

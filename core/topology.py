@@ -15,6 +15,8 @@ import dataclasses
 import socket
 from typing import Dict, List, Sequence
 
+from .errors import ConfigError
+
 ENV_RANK = "HVDLIKE_RANK"
 ENV_SIZE = "HVDLIKE_SIZE"
 ENV_LOCAL_RANK = "HVDLIKE_LOCAL_RANK"
@@ -49,6 +51,26 @@ class Topology:
     cross_rank: int = 0
     cross_size: int = 1
     hostname: str = ""
+
+
+def checked(topo: Topology, source: str) -> Topology:
+    """``topo`` if its numbers are consistent, else a ConfigError naming ``source``.
+
+    Launcher variables are read, not trusted: a rank outside the job, or a
+    local rank outside its host, would otherwise wait for peers that never come.
+    """
+    if topo.size < 1:
+        raise ConfigError(f"{source}: job size {topo.size} must be >= 1")
+    if not 0 <= topo.rank < topo.size:
+        raise ConfigError(f"{source}: rank {topo.rank} is outside 0..{topo.size - 1}")
+    if not 1 <= topo.local_size <= topo.size:
+        raise ConfigError(f"{source}: {topo.local_size} rank(s) on this host is outside "
+                          f"1..{topo.size} (the job size)")
+    if not 0 <= topo.local_rank < topo.local_size:
+        raise ConfigError(
+            f"{source}: local rank {topo.local_rank} is outside 0..{topo.local_size - 1}"
+        )
+    return topo
 
 
 # What ``horovodrun`` exports to every rank: scripts written for Horovod read

@@ -312,6 +312,14 @@ def to_config(args: argparse.Namespace) -> LaunchConfig:
     elastic_flags = (args.min_np, args.max_np, args.host_discovery_script)
     allocated = (None if any(flag is not None for flag in elastic_flags)
                  else slurm.hosts_if_allocated(os.environ, args.hosts, args.hostfile))
+    if (any(flag is not None for flag in elastic_flags) and args.hosts is None
+            and not args.hostfile and not args.host_discovery_script
+            and slurm.in_allocation(os.environ)):
+        # Elastic jobs start ranks over ssh or locally, never as srun steps.
+        sys.stderr.write(
+            f"hvdlike-run: elastic flags inside Slurm job {os.environ.get('SLURM_JOB_ID')}: "
+            "the allocation's hosts are not used; pass -H/--hostfile or "
+            "--host-discovery-script to run on them (now: this host only)\n")
     if (allocated is None and args.np is None and args.min_np is None and not args.hosts
             and not args.hostfile and not args.host_discovery_script
             and slurm.why_not_allocated(os.environ)):

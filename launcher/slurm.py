@@ -40,20 +40,24 @@ def allocation_hosts(environ: Mapping[str, str]) -> List[HostSlots]:
         LaunchError: the node list and the per-node counts do not match, or a
             variable is malformed.
     """
-    nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST", "")
+    nodes_var = "SLURM_JOB_NODELIST" if environ.get("SLURM_JOB_NODELIST") else "SLURM_NODELIST"
+    nodelist = environ.get(nodes_var, "")
     if "SLURM_NTASKS" in environ and environ.get("SLURM_TASKS_PER_NODE"):
         source = "SLURM_TASKS_PER_NODE"
     else:
         source = "SLURM_JOB_CPUS_PER_NODE"
     try:
-        nodes = expand_nodelist(nodelist)
+        nodes = expand_nodelist(nodelist, nodes_var)
         counts = expand_tasks_per_node(environ.get(source, ""), source)
     except (ConfigError, ValueError) as exc:
         raise LaunchError(f"cannot read the Slurm allocation: {exc}") from None
     if len(counts) != len(nodes) or not nodes:
         raise LaunchError(
-            f"cannot read the Slurm allocation: SLURM_JOB_NODELIST={nodelist!r} names "
+            f"cannot read the Slurm allocation: {nodes_var}={nodelist!r} names "
             f"{len(nodes)} node(s) but {source}={environ.get(source, '')!r} gives {len(counts)}")
+    if 0 in counts:
+        raise LaunchError(f"cannot read the Slurm allocation: {source}="
+                          f"{environ.get(source, '')!r} gives a node no slots")
     return [HostSlots(node, count) for node, count in zip(nodes, counts)]
 
 

@@ -49,12 +49,12 @@ def _to_tensor(data: bytes) -> torch.Tensor:
 
 def _broadcast(tensor: torch.Tensor, root_rank: int, name: str, process_set) -> torch.Tensor:
     # root_rank is a global rank, as in Horovod; the runtime maps it into the set.
-    entry = core.broadcast_entry(tensor, root_rank, api.size(), name)
+    entry = core.broadcast_entry(tensor, root_rank, api.size(), f"broadcast.{name}")
     return synchronize(submit([entry], process_set, _FRONTEND)[0])
 
 
 def _allgather(tensor: torch.Tensor, name: str, process_set) -> torch.Tensor:
-    entry = core.allgather_entry(tensor, name)
+    entry = core.allgather_entry(tensor, f"allgather.{name}")
     return synchronize(submit([entry], process_set, _FRONTEND)[0])
 
 

@@ -78,17 +78,32 @@ def synchronize(handle, timeout: Optional[float] = None):
         f"synchronize expects a handle returned by an *_async call, got {type(handle).__name__}")
 
 
-def name_for(name: Optional[str], op: str, process_set=global_process_set) -> str:
-    """``name`` checked, or the next automatic name for ``op`` in ``process_set``.
+class OpName(str):
+    """A collective's name as negotiated: given its kind already (see :func:`name_for`)."""
 
-    Automatic names are counted per process set, so the members of a set
-    agree on them whatever ranks outside the set do.
+    __slots__ = ()
+
+
+def name_for(name: Optional[str], op: str, process_set=global_process_set,
+             kind: bool = True) -> str:
+    """The name ``op`` negotiates for a caller's ``name``, as Horovod forms it.
+
+    A given name is prefixed with the collective's kind (``allreduce.loss``,
+    ``allgather.loss``), so one name may serve collectives of different kinds
+    in flight together; no name gives the next automatic one for ``op``
+    (``allreduce.noname.3``), counted per process set so the members of a set
+    agree on it whatever ranks outside the set do. What this returns is final:
+    passed again (a call staged by ``jax.jit`` runs later with the name its
+    trace chose) it comes back unchanged. ``kind=False`` is for a composite
+    call (a pytree's broadcast) whose parts add their own kind to it.
     """
-    if name is None:
-        return api.runtime().auto_name(op, resolve(process_set))
+    if type(name) is OpName:
+        return name
+    if name is None or name == "":  # Horovod names an empty name automatically too
+        return OpName(api.runtime().auto_name(op, resolve(process_set)))
     if not isinstance(name, str):
         raise TypeError(f"{op}: name must be a str, got {type(name).__name__}")
-    return name
+    return OpName(f"{op}.{name}") if kind else name
 
 
 def set_size(process_set) -> int:

@@ -51,7 +51,7 @@ def broadcast_pytree(tree: Any, root_rank: int = 0, name: Optional[str] = None,
     if any(is_traced(leaf) for leaf in leaves):
         raise TypeError(f"{FRONTEND}.broadcast_pytree cannot run inside jax.jit; broadcast "
                         f"the initial state once, before the training step")
-    base = name_for(name, "broadcast_pytree", process_set)
+    base = name_for(name, "broadcast_pytree", process_set, kind=False)
     _check_same_structure(leaves, treedef, f"{base}.structure", process_set)
     arrays = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
     others = [i for i, leaf in enumerate(leaves) if not _is_array(leaf)]

@@ -111,7 +111,7 @@ def broadcast_variables(variables: Sequence, root_rank: int = 0, name: Optional[
     import hvdlike.numpy as hnp
 
     variables = list(variables)
-    base = name_for(name, "keras_broadcast", process_set)
+    base = name_for(name, "keras_broadcast", process_set, kind=False)
     handles = [hnp.broadcast_async(np.asarray(keras.ops.convert_to_numpy(v.value)), root_rank,
                                    name=f"{base}.{i}", process_set=process_set)
                for i, v in enumerate(variables)]

@@ -119,7 +119,9 @@ def _allreduce_async(tensor, name, inplace, op, prescale_factor, postscale_facto
     if type(prescale_factor) is not float or type(postscale_factor) is not float:
         prescale_factor = _scale(prescale_factor, "prescale_factor", "allreduce")
         postscale_factor = _scale(postscale_factor, "postscale_factor", "allreduce")
-    if type(name) is not str:
+    if type(name) is str and name:
+        name = "allreduce." + name  # name_for's prefix, without its call
+    else:
         name = _name(name, "allreduce", process_set)
     entry = core.allreduce_entry(tensor, name, reduce_op, prescale_factor, postscale_factor,
                                  inplace)

@@ -115,7 +115,11 @@ def test_closing_the_launchers_stdout_stops_every_rank(marker):
                             env=launcher_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True)
     for _ in range(3):
-        assert proc.stdout.readline()
+        if not proc.stdout.readline():  # the launcher ended first: say why
+            proc.stdout = None
+            code, _, err = finish(proc, timeout=60)
+            pytest.fail(f"the launcher's output ended before 3 lines (exit {code}): "
+                        f"{err.decode()}")
     proc.stdout.close()
     proc.stdout = None  # finish() now reads stderr only
     code, _, err = finish(proc, timeout=60)

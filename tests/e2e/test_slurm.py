@@ -122,3 +122,33 @@ def test_hvdlike_run_in_sbatch_script_and_a_failing_rank(slurm_cluster, marker):
         assert "stepd=True" in line, line
     assert "job exit=7" in log, log
     assert "rank 1" in log and "exit" in log, log
+
+
+def test_srun_ranks_split_by_init_comm_leave_no_secret_file(slurm_cluster, marker):
+    # Under srun on one host rank 0 shares the job secret through a file in
+    # /dev/shm; a job whose ranks split with init(comm=[...]) kept it after a
+    # clean run (the store is kept for the other lists' ranks; the file is not).
+    script = write_script(marker, "subset.py", """
+        import os
+        import torch
+        torch.set_num_threads(1)
+        import hvdlike.torch as hvd
+        from hvdlike.core import secret_share
+
+        r = int(os.environ["SLURM_PROCID"])
+        hvd.init(comm=[0, 1] if r < 2 else [2])
+        total = hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum).item()
+        tag = f"srun/{os.environ['SLURM_JOB_ID']}/{os.environ['SLURM_STEP_ID']}"
+        print(f"subset rank={r} sum={total:g} file={secret_share.path_for(tag)}", flush=True)
+        hvd.shutdown()
+    """)
+    env = slurm_cluster.env(launcher_env())
+    code, out, err = _run(["srun", "-n", "3", "--kill-on-bad-exit=1", sys.executable, script],
+                          env)
+    assert code == 0, err
+    lines = sorted(l for l in out.splitlines() if l.startswith("subset rank="))
+    assert [l.split(" file=")[0] for l in lines] == [
+        "subset rank=0 sum=2", "subset rank=1 sum=2", "subset rank=2 sum=1"], out
+    (path,) = {l.split(" file=")[1] for l in lines}
+    assert path.startswith(("/dev/shm/hvdlike-secret-", "/tmp/hvdlike-secret-")), path
+    assert not os.path.exists(path), f"{path} left behind"

@@ -77,7 +77,7 @@ def test_by_default_a_deadlock_fails_every_rank_naming_what_each_waits_for():
         assert "deadlock: rank(s) 0, 1, 2 have all waited" in message, message
         assert "rank 0 (" in message and "waits for 'barrier.noname.0', not submitted by " \
             "rank(s) 1, 2" in message, message
-        assert "waits for 'the.next.assertion', not submitted by rank(s) 0" in message, message
+        assert "waits for 'allreduce.the.next.assertion', not submitted by rank(s) 0" in message, message
         assert recovered == ([6.0, 6.0], [0, 1, 2], 3), report
 
 

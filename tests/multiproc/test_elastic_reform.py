@@ -96,7 +96,7 @@ def _reform_many(reforms, failed, timeline, worker_secrets):
     with open(timeline.replace("{rank}", os.environ["HVDLIKE_ELASTIC_WORKER"][1:])) as f:
         events = json.load(f)
     rows = {e["pid"] for e in events if e.get("name") == "process_name"
-            and e["args"].get("name") == "agree"}
+            and e["args"].get("name") == "allreduce.agree"}
     return seen, sum(1 for e in events if e.get("pid") in rows and e["name"].startswith("NEGOTIATE"))
 
 

@@ -193,7 +193,7 @@ def _check_errors(errors):
     assert kind != "no error" and "same shape" in msg
     kind, msg = errors["mixed"]
     assert kind == "DuplicateNameError" and "hvdlike.jax.allreduce" in msg
-    assert "'held." in msg and "hvdlike.numpy" in msg
+    assert "'allreduce.held." in msg and "hvdlike.numpy" in msg
     assert errors["after"] == [2.0, 2.0]
 
 

@@ -296,8 +296,8 @@ def test_timeline_names_the_engine_that_moved_each_tensor(tmp_path):
     results = run_mpirun(_timeline, np=2, args=(path,), env={"HVDLIKE_TIMELINE": path},
                          timeout=120)
     # float32 rides MPI; float16, which MPI cannot reduce, stays on Gloo.
-    assert ("traced.cpu", "MPI_ALLREDUCE") in results[0]
-    assert ("traced.half", "GLOO_ALLREDUCE") in results[0]
+    assert ("allreduce.traced.cpu", "MPI_ALLREDUCE") in results[0]
+    assert ("allreduce.traced.half", "GLOO_ALLREDUCE") in results[0]
 
 
 def _dynamic_sets_and_reinit():

@@ -116,11 +116,6 @@ def _mismatch(kind):
             hvd.allreduce(torch.ones(3), name="x", op=hvd.Sum if r else hvd.Max)
         elif kind == "root":
             hvd.broadcast(torch.ones(3), root_rank=r, name="x")
-        elif kind == "collective":
-            if r:
-                hvd.allgather(torch.ones(3), name="x")
-            else:
-                hvd.allreduce(torch.ones(3), name="x")
         message = None
     except MismatchError as exc:
         message = str(exc)
@@ -136,13 +131,13 @@ def _mismatch(kind):
     ("dtype", ["dtype", "float64", "float32"]),
     ("op", ["reduction op", "sum", "max"]),
     ("root", ["root rank", "root=0", "root=1"]),
-    ("collective", ["operation", "allgather", "allreduce"]),
 ])
 def test_mismatch_raises_on_every_rank(kind, words):
     res = run_ranks(_mismatch, np=2, args=(kind,), timeout=60)
     for message, after, again in res:
         assert message is not None, f"{kind}: no error raised"
-        assert "'x'" in message
+        # the collective's name as negotiated: its kind, then the caller's name
+        assert ("'broadcast.x'" if kind == "root" else "'allreduce.x'") in message, message
         for word in words:
             assert word in message, (word, message)
         assert after == [2.0, 2.0]
@@ -164,6 +159,32 @@ def _cached_then_mismatch():
         message = str(exc)
     hvd.shutdown()
     return message
+
+
+def _one_name_two_kinds():
+    import hvdlike.torch as hvd
+
+    hvd.init()
+    r = hvd.rank()
+    out = []
+    for _ in range(3):  # the second and third rounds meet the response cache
+        # Submitted in opposite orders on the two ranks, all in flight together.
+        calls = [lambda: hvd.allreduce_async(torch.full((2,), float(r + 1)), name="m",
+                                             op=hvd.Sum),
+                 lambda: hvd.allgather_async(torch.full((1,), float(r)), name="m"),
+                 lambda: hvd.broadcast_async(torch.full((1,), float(r + 5)), 1, name="m")]
+        handles = [call() for call in (calls if r == 0 else calls[::-1])]
+        results = [hvd.synchronize(h).tolist() for h in handles]
+        out.append(results if r == 0 else results[::-1])
+    hvd.shutdown()
+    return out
+
+
+def test_one_name_serves_collectives_of_different_kinds_in_flight_together():
+    # Horovod names a collective by its kind and the caller's name
+    # (allreduce.m, allgather.m): one name may serve each kind at once.
+    for out in run_ranks(_one_name_two_kinds, np=2, timeout=60):
+        assert out == [[[3.0, 3.0], [0.0, 1.0], [6.0]]] * 3, out
 
 
 def test_mismatch_after_caching():
@@ -224,7 +245,7 @@ def test_misuse_gives_clear_errors():
         assert "splits" in errors["bad_splits"]
         assert "Max" in errors["bad_op"]
         assert "complex64" in errors["bad_dtype"]
-        assert "'dup." in errors["duplicate"] and "in flight" in errors["duplicate"]
+        assert "'allreduce.dup." in errors["duplicate"] and "in flight" in errors["duplicate"]
         assert "init()" in errors["after_shutdown"]
         assert errors["reinit_sum"] == 3.0
 

@@ -187,7 +187,7 @@ def test_numpy_bad_input_names_type_and_front_end(tmp_path):
     trace = tmp_path / "timeline.json"
     res = run_ranks(_bad_input, np=NP, timeout=60, env={"HVDLIKE_TIMELINE": str(trace)})
     text = trace.read_text()
-    assert '"shared"' in text and "ALLREDUCE" in text and "NEGOTIATE_ALLREDUCE" in text
+    assert '"allreduce.shared"' in text and "ALLREDUCE" in text and "NEGOTIATE_ALLREDUCE" in text
     for errors in res:
         kind, msg = errors["object"]
         assert kind == "TypeError" and "hvdlike.numpy.allreduce" in msg and "object" in msg
@@ -211,7 +211,7 @@ def test_numpy_bad_input_names_type_and_front_end(tmp_path):
         assert kind == "HvdlikeError" and "Adasum" in msg and "hvdlike.torch" in msg
         kind, msg = errors["mixed"]
         assert kind == "DuplicateNameError"
-        assert "hvdlike.numpy.allreduce" in msg and "'shared." in msg
+        assert "hvdlike.numpy.allreduce" in msg and "'allreduce.shared." in msg
         assert "submitted through hvdlike.torch" in msg
         assert errors["reuse"] == [2.0, 2.0]
         kind, msg = errors["mismatch"]

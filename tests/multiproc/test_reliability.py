@@ -71,7 +71,7 @@ def test_stall_warning_names_tensor_and_missing_rank():
     env = {"HVDLIKE_STALL_CHECK_TIME_SECONDS": "1"}
     codes, outputs = run_ranks(_stall_then_recover, np=2, env=env, expect_failure=True)
     assert codes == [0, 0], describe(codes, outputs)
-    assert "stall" in outputs[0] and "'late'" in outputs[0], outputs[0]
+    assert "stall" in outputs[0] and "'allreduce.late'" in outputs[0], outputs[0]
     assert "missing rank(s) 1" in outputs[0], outputs[0]
 
 
@@ -95,7 +95,7 @@ def test_stall_shutdown_raises_on_every_rank():
     env = {"HVDLIKE_STALL_CHECK_TIME_SECONDS": "1", "HVDLIKE_STALL_SHUTDOWN_TIME_SECONDS": "3"}
     res = run_ranks(_stall_shutdown, np=2, env=env, timeout=60)
     for message in res:
-        assert "'never'" in message and "missing rank(s) 1" in message, message
+        assert "'allreduce.never'" in message and "missing rank(s) 1" in message, message
         assert "STALL_SHUTDOWN" in message
 
 
@@ -244,7 +244,7 @@ def test_stall_in_process_set_names_only_its_members():
     env = {"HVDLIKE_STALL_CHECK_TIME_SECONDS": "1"}
     codes, outputs = run_ranks(_stall_in_process_set, np=3, env=env, expect_failure=True)
     assert codes == [0, 0, 0], describe(codes, outputs)
-    assert "'sub' (process set 1)" in outputs[0], outputs[0]
+    assert "'allreduce.sub' (process set 1)" in outputs[0], outputs[0]
     assert "missing rank(s) 2 (" in outputs[0] and "missing rank(s) 1" not in outputs[0]
 
 

@@ -60,28 +60,31 @@ def test_start_stop_timeline_two_ranks(tmp_path):
     assert "cannot write" in results[0][2][1] and len(results[1][2]) == 1
     events = chrome_trace.load(path)
     rows = set(chrome_trace.rows(events))
-    assert {"solo", "grp.0", "grp.1", "bc", "rep"} <= rows
-    assert not rows & {"before", "after"}
+    # Rows carry the names as negotiated: the collective's kind, then the caller's name.
+    solo, grp, bc, rep = ("allreduce.solo", "grouped_allreduce.grp", "broadcast.bc",
+                          "allreduce.rep")
+    assert {solo, grp + ".0", grp + ".1", bc, rep} <= rows
+    assert not rows & {"allreduce.before", "allreduce.after"}
     assert any(e["name"] == "CYCLE_START" and e["ph"] == "i" for e in events)
 
-    solo = _spans(events, "solo")
+    spans = _spans(events, solo)
     assert {"NEGOTIATE_ALLREDUCE", "QUEUE", "ALLREDUCE", "LAUNCH", "SHM_ALLREDUCE",
-            "FINALIZE"} <= set(solo)
-    negotiate, queue, op = solo["NEGOTIATE_ALLREDUCE"], solo["QUEUE"], solo["ALLREDUCE"]
+            "FINALIZE"} <= set(spans)
+    negotiate, queue, op = spans["NEGOTIATE_ALLREDUCE"], spans["QUEUE"], spans["ALLREDUCE"]
     assert negotiate["ts"] <= queue["ts"] <= op["ts"]
     for phase in ("LAUNCH", "SHM_ALLREDUCE", "FINALIZE"):  # nested inside the op
-        assert op["ts"] <= solo[phase]["ts"]
-        assert solo[phase]["ts"] + solo[phase]["dur"] <= op["ts"] + op["dur"] + 1.0
+        assert op["ts"] <= spans[phase]["ts"]
+        assert spans[phase]["ts"] + spans[phase]["dur"] <= op["ts"] + op["dur"] + 1.0
     assert op["args"] == {"dtype": "float32", "shape": [3], "fused_with": 0}
 
     # A new name went to the coordinator: rank 0's file marks when each rank was ready.
     assert negotiate["args"]["agreed_by"] == "coordinator"
     assert sorted(negotiate["args"]["ready_ranks"]) == [0, 1]
-    ticks = chrome_trace.on_row(events, "solo", ph="i")
+    ticks = chrome_trace.on_row(events, solo, ph="i")
     assert sorted(t["name"] for t in ticks) == ["0", "1"]
     assert all(_inside(negotiate, t["ts"]) for t in ticks)
 
-    for member in ("grp.0", "grp.1"):
+    for member in (grp + ".0", grp + ".1"):
         fused = _spans(events, member)
         assert {"NEGOTIATE_ALLREDUCE", "QUEUE", "MEMCPY_IN_FUSION_BUFFER", "SHM_ALLREDUCE",
                 "MEMCPY_OUT_FUSION_BUFFER"} <= set(fused)
@@ -89,14 +92,14 @@ def test_start_stop_timeline_two_ranks(tmp_path):
         assert fused["QUEUE"]["ts"] <= fused["ALLREDUCE"]["ts"] <= \
             fused["MEMCPY_IN_FUSION_BUFFER"]["ts"]
         assert len(chrome_trace.on_row(events, member, ph="i")) == 2
-    assert {"NEGOTIATE_BROADCAST", "BROADCAST", "SHM_BROADCAST"} <= set(_spans(events, "bc"))
+    assert {"NEGOTIATE_BROADCAST", "BROADCAST", "SHM_BROADCAST"} <= set(_spans(events, bc))
 
     # Repeats are agreed through the cache: annotated, without per-rank marks.
-    rep = [e for e in chrome_trace.on_row(events, "rep") if e["name"] == "NEGOTIATE_ALLREDUCE"]
-    assert [e["args"]["agreed_by"] for e in rep][0] == "coordinator"
-    assert {e["args"]["agreed_by"] for e in rep[1:]} <= {"response cache", "learned order"}
-    assert len(rep) == 3 and all("ready_ranks" not in e["args"] for e in rep[1:])
-    assert len(chrome_trace.on_row(events, "rep", ph="i")) == 2  # the first one's only
+    reps = [e for e in chrome_trace.on_row(events, rep) if e["name"] == "NEGOTIATE_ALLREDUCE"]
+    assert [e["args"]["agreed_by"] for e in reps][0] == "coordinator"
+    assert {e["args"]["agreed_by"] for e in reps[1:]} <= {"response cache", "learned order"}
+    assert len(reps) == 3 and all("ready_ranks" not in e["args"] for e in reps[1:])
+    assert len(chrome_trace.on_row(events, rep, ph="i")) == 2  # the first one's only
 
 
 def _from_env():
@@ -126,14 +129,14 @@ def test_timeline_knob_every_rank_with_placeholder(tmp_path):
         assert {"NEGOTIATE_ALLREDUCE", "QUEUE", "ALLREDUCE", "NEGOTIATE_BARRIER"} <= names
         assert "CYCLE_START" not in names  # marks are off unless asked for
         # Only the global set's coordinator (rank 0) marks its collectives.
-        ticks = {e["name"] for e in chrome_trace.on_row(events, "env.x", ph="i")}
+        ticks = {e["name"] for e in chrome_trace.on_row(events, "allreduce.env.x", ph="i")}
         assert ticks == ({"0", "1"} if rank == 0 else set())
-    assert "sub.x" not in chrome_trace.rows(files[0])
-    (negotiate,) = [e for e in chrome_trace.on_row(files[1], "sub.x")
+    assert "allreduce.sub.x" not in chrome_trace.rows(files[0])
+    (negotiate,) = [e for e in chrome_trace.on_row(files[1], "allreduce.sub.x")
                     if e["name"] == "NEGOTIATE_ALLREDUCE"]
     assert negotiate["args"]["process_set"] == set_id
     assert negotiate["args"]["ready_ranks"] == [1]  # the set's rank 0 is global rank 1
-    assert [e["name"] for e in chrome_trace.on_row(files[1], "sub.x", ph="i")] == ["1"]
+    assert [e["name"] for e in chrome_trace.on_row(files[1], "allreduce.sub.x", ph="i")] == ["1"]
     assert not os.path.exists(str(tmp_path / "tl-{rank}.json"))
 
 
@@ -161,4 +164,5 @@ def test_cycle_marks_and_size_cap_from_the_environment(tmp_path):
     assert "CYCLE_START" in names and "NEGOTIATE_ALLREDUCE" in names
     assert names[-1] == "TIMELINE_TRUNCATED" and names.count("TIMELINE_TRUNCATED") == 1
     assert events[-1]["args"] == {"max_bytes": cap}
-    assert "many.59" not in chrome_trace.rows(events)  # dropped past the cap
+    rows = chrome_trace.rows(events)
+    assert "allreduce.many.0" in rows and "allreduce.many.59" not in rows  # dropped past the cap

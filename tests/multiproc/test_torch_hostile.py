@@ -188,7 +188,7 @@ def test_sparse_allreduce_of_different_dense_shapes_is_a_mismatch_on_every_rank(
     results = run_ranks(_sparse_shapes_differ, np=2, timeout=120, env=FAST_DEADLOCK)
     for outcome, total in results:
         assert outcome.startswith("MismatchError: ranks disagree on the shape beyond the first "
-                                  "dimension of collective 'sp.dense_shape'"), outcome
+                                  "dimension of collective 'allgather.sp.dense_shape'"), outcome
         assert "uint8 0x4" in outcome and "uint8 0x10" in outcome, outcome
         assert total == [1.0, 1.0, 0.0]
 
@@ -390,7 +390,7 @@ def _one_rank_shuts_down_early():
 def test_a_call_after_a_peer_shut_the_job_down_names_the_peer():
     results = run_ranks(_one_rank_shuts_down_early, np=2, timeout=120)
     assert results[1] == "left"
-    assert results[0].startswith("HvdlikeInternalError: cannot submit 'x': hvdlike has shut "
+    assert results[0].startswith("HvdlikeInternalError: cannot submit 'allreduce.x': hvdlike has shut "
                                  "down: rank 1 on "), results
     assert "shut down (called shutdown() or its script ended)" in results[0], results
 

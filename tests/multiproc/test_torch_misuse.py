@@ -28,5 +28,5 @@ def test_a_rank_stepping_without_backward_is_reported_by_the_stall_inspector():
     for out in outputs.values():
         assert "StallError" in out
     # rank 0 learns which gradients rank 1 never sent (one bucket: bias and weight)
-    assert "'DistributedOptimizer.bucket.0.bias..weight': waited" in outputs[0]
+    assert "'allreduce.DistributedOptimizer.bucket.0.bias..weight': waited" in outputs[0]
     assert "missing rank(s) 1" in outputs[0]

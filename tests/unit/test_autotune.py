@@ -26,6 +26,13 @@ def test_step_key_drops_automatic_counters_only():
     assert step_key("DistributedOptimizer.noname.0.3") == "DistributedOptimizer.noname.0.3"
     assert step_key("opt1.DistributedOptimizer.noname.1.3") == \
         "opt1.DistributedOptimizer.noname.1.3"
+    # with the kind in front, as every collective is now negotiated
+    assert step_key("allreduce.DistributedOptimizer.noname.0.3") == \
+        "allreduce.DistributedOptimizer.noname.0.3"
+    assert step_key("broadcast.broadcast_object.noname.4.size") == \
+        "broadcast.broadcast_object.noname.size"
+    assert step_key("allgather.sparse_allreduce.ps1.noname.2.values") == \
+        "allgather.sparse_allreduce.ps1.noname.values"
 
 
 def test_step_counter_counts_recurring_names():

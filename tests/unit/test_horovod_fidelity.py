@@ -119,3 +119,19 @@ def test_an_average_over_a_power_of_two_matches_the_division_bit_for_bit():
             assert bool(same.all()), (dtype, size)
             # Signed zeros and the sign of NaN-free results match too.
             assert torch.equal(torch.signbit(got[~got.isnan()]), torch.signbit(want[~want.isnan()]))
+
+
+def test_a_given_name_is_negotiated_with_its_kind_first_once():
+    from hvdlike.frontend.submit import name_for
+
+    allreduce, allgather = name_for("metric", "allreduce"), name_for("metric", "allgather")
+    assert (allreduce, allgather) == ("allreduce.metric", "allgather.metric")
+    # a name already formed (a jax.jit trace's, used when the staged call runs) stays
+    assert name_for(allreduce, "allreduce") == "allreduce.metric"
+    assert name_for(allreduce, "allgather") == "allreduce.metric"
+    # a plain str that looks formed is still a caller's name, as under Horovod
+    assert name_for("allreduce.metric", "allreduce") == "allreduce.allreduce.metric"
+    # a composite call leaves the kind to its parts
+    assert name_for("tree", "broadcast_pytree", kind=False) == "tree"
+    with pytest.raises(TypeError, match="allgather: name must be a str, got int"):
+        name_for(3, "allgather")

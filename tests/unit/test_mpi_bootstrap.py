@@ -64,6 +64,28 @@ def test_slurm_topology_and_rendezvous(monkeypatch):
     assert 20000 <= rdzv.port < 32000
 
 
+@pytest.mark.parametrize("change,words", [
+    ({"SLURM_PROCID": "6"}, "srun: rank 6 is outside 0..5"),
+    ({"SLURM_PROCID": "-1"}, "srun: rank -1 is outside 0..5"),
+    ({"SLURM_LOCALID": "2"}, "srun: local rank 2 is outside 0..1"),
+    ({"SLURM_LOCALID": "-1"}, "srun: local rank -1 is outside 0..1"),
+    ({"SLURM_STEP_NUM_TASKS": "0", "SLURM_STEP_TASKS_PER_NODE": "0(x3)"},
+     "srun: job size 0 must be >= 1"),
+    ({"SLURM_STEP_TASKS_PER_NODE": "3(x3)"},
+     "SLURM_STEP_TASKS_PER_NODE='3\\(x3\\)' adds up to 9 task\\(s\\), SLURM_STEP_NUM_TASKS says 6"),
+    ({"SLURM_STEP_TASKS_PER_NODE": "3,3,0"}, "srun: 0 rank\\(s\\) on this host is outside 1..6"),
+    ({"SLURM_NODEID": "3"}, "SLURM_NODEID=3 is outside the 3 node\\(s\\)"),
+    ({"SLURM_STEP_TASKS_PER_NODE": "2(x"}, "SLURM_STEP_TASKS_PER_NODE='2\\(x' is not valid"),
+    ({"SLURM_STEP_NODELIST": "n["}, "SLURM_STEP_NODELIST: node list 'n\\[' is not valid"),
+])
+def test_contradictory_slurm_variables_are_refused_naming_them(monkeypatch, change, words):
+    # As under hvdlike-run and torchrun: a rank outside the step would wait for
+    # peers that never come; a count that does not add up would mis-place ranks.
+    monkeypatch.setitem(sys.modules, "mpi4py", None)
+    with pytest.raises(ConfigError, match=words):
+        mpi_bootstrap.detect({**SLURM, **change})
+
+
 def test_multi_host_slurm_without_a_secret_is_marked_unauthenticated(monkeypatch):
     monkeypatch.setitem(sys.modules, "mpi4py", None)
     topo, rdzv = bootstrap.detect(SLURM)

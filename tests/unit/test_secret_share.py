@@ -58,3 +58,39 @@ def test_torchrun_multi_host_without_secret_is_public_and_says_so():
     assert not rdzv.authenticated
     _, rdzv = bootstrap.detect({**env, "HVDLIKE_JOB_SECRET": "shared-by-the-user"})
     assert rdzv.authenticated and rdzv.secret == "shared-by-the-user"
+
+
+def _ended_pid() -> int:
+    import subprocess
+
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def test_a_file_left_by_a_killed_rank_0_is_removed_by_the_next_one(tmp_path, monkeypatch):
+    # A rank 0 killed during start-up (SIGKILL; SIGTERM from scancel) cannot
+    # delete its file; the next rank 0 of this user removes every file whose
+    # writer is gone, and nothing else.
+    monkeypatch.setattr(secret_share, "directory", lambda: str(tmp_path))
+    secret_share.publish("live")  # this process wrote it: it stays
+    dead = tmp_path / (secret_share._prefix() + "0" * 20)
+    dead.write_text("a" * 32 + f"\n{_ended_pid()}\n")
+    os.chmod(dead, 0o600)
+    foreign = tmp_path / (secret_share._prefix() + "1" * 20)
+    foreign.write_text("not written by hvdlike")  # no writer named: left alone
+    os.chmod(foreign, 0o600)
+    open_to_all = tmp_path / (secret_share._prefix() + "2" * 20)
+    open_to_all.write_text("b" * 32 + f"\n{_ended_pid()}\n")
+    os.chmod(open_to_all, 0o644)  # not a file rank 0 wrote (it writes 0600): left alone
+    other_user = tmp_path / "hvdlike-secret-99999-abc"
+    other_user.write_text("c" * 32 + f"\n{_ended_pid()}\n")
+    os.chmod(other_user, 0o600)
+    secret_share.publish("next")
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert dead.name not in left
+    assert {foreign.name, open_to_all.name, other_user.name,
+            os.path.basename(secret_share.path_for("live")),
+            os.path.basename(secret_share.path_for("next"))} == set(left)
+    assert secret_share.receive("live", 1) != secret_share.receive("next", 1)
+    assert secret_share.sweep() == 0  # both writers (this process) still run

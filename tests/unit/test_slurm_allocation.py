@@ -38,7 +38,8 @@ def test_a_node_list_naming_more_nodes_than_a_cluster_has_is_refused_unbuilt(tex
 
 
 def test_a_huge_hand_written_allocation_is_a_launch_error():
-    with pytest.raises(LaunchError, match="cannot read the Slurm allocation: node list "
+    with pytest.raises(LaunchError, match="cannot read the Slurm allocation: "
+                                          "SLURM_JOB_NODELIST: node list "
                                           "'n\\[1-99999999\\]' names more than"):
         slurm.allocation_hosts({**SALLOC, "SLURM_JOB_NODELIST": "n[1-99999999]"})
     with pytest.raises(LaunchError, match="SLURM_TASKS_PER_NODE '1\\(x100000000\\)'"):
@@ -65,6 +66,14 @@ def test_allocation_hosts_use_tasks_when_requested_else_cpus():
 def test_allocation_mismatch_is_explained():
     with pytest.raises(LaunchError, match="names 2 node.*gives 1"):
         slurm.allocation_hosts({**SALLOC, "SLURM_TASKS_PER_NODE": "5"})
+
+
+def test_a_node_without_slots_is_named_not_taken_for_np_0():
+    with pytest.raises(LaunchError, match="SLURM_JOB_CPUS_PER_NODE='0' gives a node no slots"):
+        slurm.allocation_hosts({"SLURM_JOB_ID": "5", "SLURM_JOB_NODELIST": "vm",
+                                "SLURM_JOB_CPUS_PER_NODE": "0"})
+    with pytest.raises(LaunchError, match="SLURM_JOB_NODELIST: node list 'n\\[' is not valid"):
+        slurm.allocation_hosts({**SALLOC, "SLURM_JOB_NODELIST": "n["})
 
 
 def test_only_outside_a_step_and_without_hosts():
