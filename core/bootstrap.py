@@ -72,37 +72,59 @@ def from_hvdlike_run(environ: Mapping[str, str], start_timeout: float = 60.0):
     return topo, with_secret(rdzv, topo, environ, tag, start_timeout)
 
 
+def _int_or(environ: Mapping[str, str], name: str, default: int) -> int:
+    return _int(environ, name) if name in environ else default
+
+
 def from_torchrun(environ: Mapping[str, str], start_timeout: float = 60.0):
-    if "TORCHELASTIC_RUN_ID" not in environ and not (
+    """torchrun's variables, or the ``env://`` ones a Kubernetes PyTorchJob sets.
+
+    Under torchrun (``TORCHELASTIC_RUN_ID`` set) its agent serves the store at
+    ``MASTER_ADDR:MASTER_PORT``; without an agent rank 0 serves it, as
+    ``init_process_group("env://")`` does.
+    """
+    agent = "TORCHELASTIC_RUN_ID" in environ
+    if not agent and not (
         "RANK" in environ and "WORLD_SIZE" in environ and "MASTER_ADDR" in environ
     ):
         return None
     size = _int(environ, "WORLD_SIZE")
-    local_size = int(environ.get("LOCAL_WORLD_SIZE", size))
+    rank = _int(environ, "RANK")
+    local_size = _int_or(environ, "LOCAL_WORLD_SIZE", size)
     nodes = max(1, size // max(1, local_size))
     topo = _check(
         Topology(
-            rank=_int(environ, "RANK"),
+            rank=rank,
             size=size,
-            local_rank=int(environ.get("LOCAL_RANK", 0)),
+            local_rank=_int_or(environ, "LOCAL_RANK", rank % max(1, local_size)),
             local_size=local_size,
-            cross_rank=int(environ.get("GROUP_RANK", _int(environ, "RANK") // max(1, local_size))),
+            cross_rank=_int_or(environ, "GROUP_RANK", rank // max(1, local_size)),
             cross_size=nodes,
             hostname=socket.gethostname(),
         ),
         "torchrun environment",
     )
+    port = _int(environ, "MASTER_PORT")
+    if not 1 <= port <= 65535:
+        raise ConfigError(f"torchrun environment: MASTER_PORT={port} is not a TCP port "
+                          f"(1..65535)")
     run_id = environ.get("TORCHELASTIC_RUN_ID", "none")
     restart = environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    port = _int(environ, "MASTER_PORT")
     tag = f"torchrun/{run_id}/{restart}/{port}"
     rdzv = Rendezvous(
         launcher="torchrun",
         addr=environ.get("MASTER_ADDR", "127.0.0.1"),
         port=port,
+        host_store=not agent and rank == 0,
         gloo_iface=environ.get(ENV_GLOO_IFACE, ""),
     )
-    return topo, with_secret(rdzv, topo, environ, tag, start_timeout)
+    rdzv = with_secret(rdzv, topo, environ, tag, start_timeout)
+    if environ.get(ENV_JOB_SECRET) and agent:
+        # torchrun's store outlives a restart of its workers: the keys of each
+        # attempt must not meet the previous attempt's, which a secret of the
+        # user's own would otherwise give them (a drawn one is fresh each time).
+        rdzv = dataclasses.replace(rdzv, secret=f"{rdzv.secret}/{tag}")
+    return topo, rdzv
 
 
 def single_process(environ: Mapping[str, str], start_timeout: float = 60.0):

@@ -13,6 +13,7 @@ server (and with it every key the job wrote).
 from __future__ import annotations
 
 import datetime
+import errno
 import socket
 from typing import Optional
 
@@ -104,11 +105,10 @@ class JobStore:
             return self._keep(AuthenticatedStore(self._local, secret,
                                                  generation_key=self.generation_key))
         try:
+            raw = None
             if rdzv.host_store and topo.rank == 0 and self._server is None:
-                kept = _KEPT_SERVERS.get((rdzv.addr, rdzv.port))
-                self._server = kept or serve(rdzv.addr, rdzv.port, topo.size, timeout)[0]
-                raw = self._server
-            else:
+                raw = self._server = self._serve(timeout)
+            if raw is None:
                 raw = dist.TCPStore(rdzv.addr, rdzv.port, topo.size, False,
                                     timeout=timeout, wait_for_workers=False)
         except Exception as exc:  # OSError, RuntimeError, DistStoreError, TimeoutError
@@ -117,6 +117,26 @@ class JobStore:
                 f"{rdzv.addr}:{rdzv.port} within {self.timeout_seconds:g}s "
                 f"({rdzv.launcher}): {exc}") from None
         return self._keep(AuthenticatedStore(raw, secret, generation_key=self.generation_key))
+
+    def _serve(self, timeout: datetime.timedelta):
+        """The store this rank 0 serves; None when it must connect to one instead."""
+        rdzv = self.rendezvous
+        kept = _KEPT_SERVERS.get((rdzv.addr, rdzv.port))
+        if kept is not None:
+            return kept
+        if rdzv.launcher != "torchrun":
+            return serve(rdzv.addr, rdzv.port, self.topology.size, timeout)[0]
+        # env:// without torchrun's agent (a PyTorchJob running python itself):
+        # MASTER_ADDR may name a service rather than this pod's own address, so
+        # listen on every interface, as init_process_group("env://") does. When
+        # the port is taken, that call ran first and serves the store: use it.
+        try:
+            return serve("::" if ":" in rdzv.addr else "0.0.0.0", rdzv.port,
+                         self.topology.size, timeout)[0]
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            return None
 
     def _keep(self, view: AuthenticatedStore) -> AuthenticatedStore:
         self._views.append(view)

@@ -62,6 +62,12 @@ def _alive_since(pid: int, written: float) -> bool:
         return True
 
 
+def _parse(data: bytes):
+    """``(secret, writer pid)`` from a file :func:`publish` wrote, else None."""
+    match = re.fullmatch(r"([0-9a-f]{32})\n(\d{1,10})\n", data.decode(errors="replace"))
+    return (match.group(1), int(match.group(2))) if match else None
+
+
 def sweep() -> int:
     """Remove this user's secret files whose writer no longer runs; return how many."""
     removed = 0
@@ -78,13 +84,12 @@ def sweep() -> int:
         try:
             _check(fd, path)
             written = os.fstat(fd).st_mtime
-            match = re.fullmatch(r"[0-9a-f]{32}\n(\d{1,10})\n", os.read(fd, 128).decode(
-                errors="replace"))
+            found = _parse(os.read(fd, 128))
         except (ConfigError, OSError):
             continue  # not a file this code wrote: leave it alone
         finally:
             os.close(fd)
-        if match and not _alive_since(int(match.group(1)), written):
+        if found and not _alive_since(found[1], written):
             try:
                 os.unlink(path)
                 removed += 1
@@ -107,7 +112,10 @@ def _check(fd: int, path: str) -> None:
     if info.st_uid != os.geteuid():
         raise ConfigError(f"{path} belongs to uid {info.st_uid}, not to this user: refusing "
                           "to take the job secret from it (set HVDLIKE_JOB_SECRET instead)")
-    if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO) or not stat.S_ISREG(info.st_mode):
+    if not stat.S_ISREG(info.st_mode):
+        raise ConfigError(f"{path} is not a regular file: refusing to take the job secret "
+                          "from it (set HVDLIKE_JOB_SECRET instead)")
+    if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise ConfigError(f"{path} is readable or writable by other users: refusing to take "
                           "the job secret from it (set HVDLIKE_JOB_SECRET instead)")
 
@@ -116,8 +124,8 @@ def publish(tag: str) -> str:
     """Rank 0: draw a secret and leave it for the other local ranks; return it."""
     sweep()
     path = path_for(tag)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:  # O_NONBLOCK: a FIFO planted at the path must not hang the open
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         fd = None
     if fd is not None:  # a stale file of ours from an earlier run: replace it
@@ -147,18 +155,20 @@ def receive(tag: str, timeout_seconds: float) -> str:
     pause = 0.01
     while True:
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError:
             fd = None
         if fd is not None:
             try:
                 _check(fd, path)
-                fresh = os.fstat(fd).st_mtime >= not_before
-                text = os.read(fd, 128).decode(errors="replace").partition("\n")[0]
+                written = os.fstat(fd).st_mtime
+                found = _parse(os.read(fd, 128))
             finally:
                 os.close(fd)
-            if fresh and len(text) == 32:
-                return text
+            # A file whose writer is gone is an earlier job's (its rank 0 was
+            # killed before it could delete it): wait for this job's rank 0.
+            if found and written >= not_before and _alive_since(found[1], written):
+                return found[0]
         if time.monotonic() > deadline:
             raise ConfigError(
                 f"rank 0 did not share the job secret within {timeout_seconds:g}s (no fresh "

@@ -56,8 +56,74 @@ def test_torchrun_multi_host_without_secret_is_public_and_says_so():
            "LOCAL_RANK": "0", "GROUP_RANK": "1"}
     _, rdzv = bootstrap.detect(env)
     assert not rdzv.authenticated
-    _, rdzv = bootstrap.detect({**env, "HVDLIKE_JOB_SECRET": "shared-by-the-user"})
-    assert rdzv.authenticated and rdzv.secret == "shared-by-the-user"
+    given = {**env, "HVDLIKE_JOB_SECRET": "shared-by-the-user"}
+    _, rdzv = bootstrap.detect(given)
+    assert rdzv.authenticated and rdzv.secret.startswith("shared-by-the-user")
+    # torchrun's store outlives a restart: each attempt keys its own namespace,
+    # the same on every rank of the attempt.
+    _, peer = bootstrap.detect({**given, "RANK": "0", "GROUP_RANK": "0"})
+    _, restarted = bootstrap.detect({**given, "TORCHELASTIC_RESTART_COUNT": "1"})
+    assert peer.secret == rdzv.secret != restarted.secret
+    # hvdlike-run's secret is per job already and is taken as given
+    _, run = bootstrap.detect({"HVDLIKE_RANK": "0", "HVDLIKE_SIZE": "1",
+                               "HVDLIKE_JOB_SECRET": "shared-by-the-user"})
+    assert run.secret == "shared-by-the-user"
+
+
+@pytest.mark.parametrize("change,words", [
+    ({"LOCAL_WORLD_SIZE": "abc"}, "LOCAL_WORLD_SIZE='abc' is not valid: expected an integer"),
+    ({"LOCAL_RANK": "x"}, "LOCAL_RANK='x' is not valid"),
+    ({"GROUP_RANK": "x"}, "GROUP_RANK='x' is not valid"),
+    ({"MASTER_PORT": "99999"}, "MASTER_PORT=99999 is not a TCP port"),
+    ({"MASTER_PORT": "-5"}, "MASTER_PORT=-5 is not a TCP port"),
+    ({"LOCAL_RANK": "2"}, "local rank 2 is outside 0..1"),
+])
+def test_malformed_torchrun_variables_are_named(change, words):
+    with pytest.raises(ConfigError, match=words):
+        bootstrap.detect({**TORCHRUN, "HVDLIKE_JOB_SECRET": "s", **change})
+
+
+def test_env_convention_without_torchrun_has_rank_0_serve_the_store():
+    env = {k: v for k, v in TORCHRUN.items() if not k.startswith("TORCHELASTIC")}
+    env["HVDLIKE_JOB_SECRET"] = "s"
+    assert bootstrap.detect(env)[1].host_store
+    assert not bootstrap.detect({**env, "RANK": "1", "LOCAL_RANK": "1"})[1].host_store
+    assert not bootstrap.detect({**TORCHRUN, "HVDLIKE_JOB_SECRET": "s"})[1].host_store
+
+
+def test_a_file_whose_writer_is_gone_is_not_taken(tmp_path, monkeypatch):
+    # A rank 0 SIGKILLed during start-up left its file: the next job's ranks
+    # wait for their own rank 0 instead of taking a dead job's secret.
+    monkeypatch.setattr(secret_share, "directory", lambda: str(tmp_path))
+    path = secret_share.path_for("stale")
+    with open(path, "w") as f:
+        f.write("a" * 32 + f"\n{_ended_pid()}\n")
+    os.chmod(path, 0o600)
+    with pytest.raises(ConfigError, match="did not share the job secret within"):
+        secret_share.receive("stale", 0.3)
+    mine = secret_share.publish("stale")  # this job's rank 0 replaces it
+    assert secret_share.receive("stale", 1) == mine
+
+
+def test_a_fifo_at_the_path_is_refused_at_once(tmp_path, monkeypatch):
+    import threading
+
+    monkeypatch.setattr(secret_share, "directory", lambda: str(tmp_path))
+    os.mkfifo(secret_share.path_for("fifo"), 0o600)
+    outcome = []
+
+    def attempt(call):
+        try:
+            call()
+        except ConfigError as exc:
+            outcome.append(str(exc))
+
+    for call in (lambda: secret_share.receive("fifo", 5), lambda: secret_share.publish("fifo")):
+        worker = threading.Thread(target=attempt, args=(call,), daemon=True)
+        worker.start()
+        worker.join(10)  # a blocking open of a FIFO never returns: a hang guard
+        assert not worker.is_alive(), "opening a FIFO at the secret path blocked"
+    assert len(outcome) == 2 and all("is not a regular file" in m for m in outcome), outcome
 
 
 def _ended_pid() -> int:
