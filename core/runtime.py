@@ -226,6 +226,12 @@ class Runtime:
         self.store = self._logged_store()
         agreement.check(self.store, self.store_prefix, topology.rank, topology.size, cfg,
                         cfg.start_timeout, self._watch_peers(), lambda: self.fatal)
+        if (rendezvous.launcher == "torchrun" and not narrowed
+                and topology.local_size < topology.size):
+            # Several nodes, whose rank counts torchrun does not tell: ask them.
+            topology = self.topology = world_mod.regroup(
+                self.store, self.store_prefix, topology, topology.cross_rank,
+                cfg.start_timeout, lambda: self.fatal, self._watch_peers())
         local_addr = rendezvous.gloo_iface
         if not local_addr:
             local_addr = (bootstrap.local_address_towards(rendezvous.addr, rendezvous.port)

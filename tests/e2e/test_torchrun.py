@@ -129,3 +129,40 @@ def test_a_secret_file_left_by_a_killed_rank_0_is_not_taken(marker):
     for rank in range(2):
         assert f"env rank={rank} size=2 local={rank}/2 sum=3" in out, out + err
     assert not os.path.exists(secret_share.path_for(tag))
+
+
+def test_nodes_with_different_rank_counts_get_horovods_cross_ranks(marker):
+    # Two torchrun agents (nodes) of 1 and 2 ranks: Horovod's cross rank is the
+    # node's index among the nodes that have a rank with the same local rank.
+    script = write_script(marker, "cross.py", """
+        import torch
+        torch.set_num_threads(1)
+        import hvdlike.torch as hvd
+
+        hvd.init()
+        total = hvd.allreduce(torch.tensor([float(hvd.rank() + 1)]), op=hvd.Sum).item()
+        print(f"node rank={hvd.rank()} local={hvd.local_rank()}/{hvd.local_size()} "
+              f"cross={hvd.cross_rank()}/{hvd.cross_size()} sum={total:g}", flush=True)
+        hvd.shutdown()
+    """)
+    endpoint = f"127.0.0.1:{_port()}"
+    env = launcher_env(HVDLIKE_JOB_SECRET=secrets.token_hex(16))
+    procs = [subprocess.Popen([_torchrun(), "--nnodes", "2", "--node-rank", str(node),
+                               "--nproc-per-node", str(node + 1), "--rdzv-backend", "c10d",
+                               "--rdzv-endpoint", endpoint, "--rdzv-id", "cross", script],
+                              cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, start_new_session=True)
+             for node in range(2)]
+    results = [finish(proc, 150) for proc in procs]
+    out = "".join(o for _, o, _ in results)
+    for code, _, err in results:
+        assert code == 0, err
+    lines = sorted(re.findall(r"node rank=\d local=\d/\d cross=\d/\d sum=6", out))
+    # Which node gets the job's first ranks is the rendezvous' choice.
+    alone_first = ["node rank=0 local=0/1 cross=0/2 sum=6",
+                   "node rank=1 local=0/2 cross=1/2 sum=6",
+                   "node rank=2 local=1/2 cross=0/1 sum=6"]
+    pair_first = ["node rank=0 local=0/2 cross=0/2 sum=6",
+                  "node rank=1 local=1/2 cross=0/1 sum=6",
+                  "node rank=2 local=0/1 cross=1/2 sum=6"]
+    assert lines in (alone_first, pair_first), out
