@@ -25,13 +25,21 @@ that talks only to the store (through its own connection):
   store gone;
 * a store that stays unreachable (its host died) is itself a failure
   (``store_lost``): a collective whose engine never reports a vanished peer
-  (MPI) must not wait for it forever.
+  (MPI) must not wait for it forever;
+* every store request goes through one "store I/O" thread (:class:`_StoreIO`)
+  and is waited for only a few seconds: on a link cut without a reset (a
+  cable pulled, a host partitioned away) a request can block in the socket for
+  as long as the cut lasts -- the store client's timeout does not bound it --
+  and neither the watcher nor the failure path (:meth:`Health.diagnose`) may
+  hang with it. A request that does not answer in time counts as the store
+  being unreachable.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import queue
 import threading
 import time
 from typing import Callable, Dict, List, Optional, Sequence
@@ -44,6 +52,7 @@ from .log import logger
 MAX_NAMES = 8  # per report line; the rest is summarised as a count
 STORE_LOST_SECONDS = 5.0  # unreachable this long (and 5 intervals): its host is gone
 PEER_QUIET_SECONDS = 5.0  # rank 0 at an abort: a peer silent this long is not waited for
+STORE_ANSWER_SECONDS = 2.0  # a store request unanswered this long (and 3 intervals) is hung
 
 
 def exited_key(rank: int) -> str:
@@ -93,6 +102,92 @@ def words_probe(store, exits=None) -> Callable[[Sequence[int]], str]:
     return probe
 
 
+class StoreHungError(TimeoutError):
+    """A store request did not answer in time (or one before it is still hung)."""
+
+
+class _Request:
+    """One store request handed to :class:`_StoreIO`, and its outcome."""
+
+    __slots__ = ("fn", "done", "result", "error", "abandoned")
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.done = threading.Event()
+        self.result = self.error = None
+        self.abandoned = False  # its caller stopped waiting: not worth sending any more
+
+
+class _StoreIO:
+    """Makes a Health's store requests one at a time on a daemon thread of its own.
+
+    A request on a connection whose link was cut silently (no reset) blocks in
+    the socket's recv until the link returns; the store client's timeout does
+    not bound that. Running requests here lets every caller give up after
+    ``deadline`` seconds (:class:`StoreHungError`) instead of hanging with it.
+    While the thread is still stuck in a request, further ones fail at once
+    rather than queue behind it, so no caller waits on a hung request twice.
+    The connection stays used by one request at a time, as it must be.
+    """
+
+    def __init__(self, deadline: float):
+        self.deadline = deadline
+        self._requests: "queue.SimpleQueue[Optional[_Request]]" = queue.SimpleQueue()
+        # Guards _stuck, _closed and the requests' done/abandoned; never held
+        # during a request, so taking it cannot block on the store.
+        self._lock = threading.Lock()
+        self._stuck = False  # a caller gave up on a request the thread has not returned from
+        self._closed = False
+        self._thread = threading.Thread(target=self._serve, name="hvdlike-health-store",
+                                         daemon=True)
+        self._thread.start()
+
+    def call(self, fn):
+        """``fn()`` (which uses the store) run on the I/O thread; its result or its
+        exception, or :class:`StoreHungError` once ``deadline`` has passed."""
+        with self._lock:
+            if self._closed:
+                raise StoreHungError("the health watcher is closed")
+            if self._stuck:
+                raise StoreHungError(f"a store request has not answered for over "
+                                     f"{self.deadline:g}s")
+            request = _Request(fn)
+            self._requests.put(request)
+        if not request.done.wait(self.deadline):
+            with self._lock:
+                if not request.done.is_set():
+                    request.abandoned = True
+                    self._stuck = True
+                    raise StoreHungError(f"the store did not answer within {self.deadline:g}s")
+        if request.error is not None:
+            raise request.error
+        return request.result
+
+    def close(self) -> None:
+        """Refuse further requests; the thread ends after those queued (at once if
+        none is hung)."""
+        with self._lock:
+            self._closed = True
+            self._requests.put(None)
+
+    def _serve(self) -> None:
+        while True:
+            request = self._requests.get()
+            if request is None:
+                return
+            with self._lock:
+                if request.abandoned:
+                    continue
+            try:
+                request.result = request.fn()
+            except BaseException as exc:  # handed to the caller, raised there
+                request.error = exc
+            with self._lock:
+                self._stuck = False  # it answered, late or not: the link is back
+                request.done.set()
+            request = None  # do not keep a result (or traceback) alive while idle
+
+
 class Health:
     """Heartbeat, stall inspection and peer diagnosis for one runtime."""
 
@@ -121,7 +216,8 @@ class Health:
         self._store_lost = store_lost or on_abort
         self._failing_since: Optional[float] = None  # first of the current run of failed ticks
         self._members = members or (lambda set_id: list(range(size)))
-        self._lock = threading.Lock()  # one store request at a time on this connection
+        # One store request at a time on this connection, none waited for long.
+        self._io = _StoreIO(max(STORE_ANSWER_SECONDS, 3 * self.interval))
         self._stop = threading.Event()
         self._published = None
         self._beats: Dict[int, tuple] = {}  # rank -> (counter, monotonic time it last moved)
@@ -131,14 +227,18 @@ class Health:
         self._aborted = False
         self._tampered = False
         self.hosts: Dict[int, str] = {}
-        self._store_op(lambda: store.set(f"health/host/{rank}",
-                                         f"{hostname} (pid {os.getpid()})"))
+        try:
+            self._store_op(lambda: store.set(f"health/host/{rank}",
+                                             f"{hostname} (pid {os.getpid()})"))
+        except BaseException:
+            self._io.close()
+            raise
         self._thread = threading.Thread(target=self._run, name="hvdlike-health", daemon=True)
         self._thread.start()
 
     def _store_op(self, fn):
-        with self._lock:
-            return fn()
+        """``fn()`` against the store, given up after a few seconds (see :class:`_StoreIO`)."""
+        return self._io.call(fn)
 
     def close(self, clean: bool = True) -> None:
         self._stop.set()
@@ -151,6 +251,7 @@ class Health:
                 pass
         elif self.rank == 0 and self._aborted and not self._tampered:
             self._await_abort_seen()
+        self._io.close()
 
     def _await_abort_seen(self, limit: float = 15.0) -> None:
         """Rank 0 after an abort: wait (at most ``limit`` s) until every other rank

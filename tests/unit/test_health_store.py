@@ -1,4 +1,5 @@
-"""The health watcher against a real TCPStore whose host goes away (no ranks)."""
+"""The health watcher against a store whose host goes away, or that stops
+answering without an error as over a silently cut link (no ranks)."""
 
 import threading
 import time
@@ -94,3 +95,121 @@ def test_rank0_does_not_wait_for_a_dead_peer():
     finally:
         r2.health.close(clean=False)
         r0.health.close(clean=False)
+
+
+class HangingStore:
+    """An in-memory store whose requests can be made to block, as on a cut link
+    (no reset: the request neither answers nor fails)."""
+
+    def __init__(self):
+        self.data = {}
+        self.lock = threading.Lock()
+        self.hanging = False   # requests from now on block ...
+        self.once = False      # ... only the next one (then answers resume)
+        self.released = threading.Event()  # ... until this is set
+        self.entered = threading.Event()   # a request is blocked now
+        self.blocked = 0       # requests that reached the store while it hangs
+
+    def hang(self, once=False):
+        self.hanging, self.once = True, once
+
+    def _request(self):
+        with self.lock:
+            if not self.hanging:
+                return
+            self.blocked += 1
+            if self.once:
+                self.hanging = False
+        self.entered.set()
+        self.released.wait()
+
+    def set(self, key, value):
+        self._request()
+        with self.lock:
+            self.data[key] = value.encode() if isinstance(value, str) else bytes(value)
+
+    def get(self, key):
+        self._request()
+        with self.lock:
+            return self.data[key]
+
+    def check(self, keys):
+        self._request()
+        with self.lock:
+            return all(k in self.data for k in keys)
+
+    def add(self, key, amount):
+        self._request()
+        with self.lock:
+            value = int(self.data.get(key, b"0")) + amount
+            self.data[key] = str(value).encode()
+            return value
+
+
+def returns_within(seconds, fn):
+    """``fn()``'s result, called on a thread; fails the test if it has not returned in time."""
+    box = []
+    thread = threading.Thread(target=lambda: box.append(fn()), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert box, f"did not return within {seconds}s"
+    return box[0]
+
+
+def test_a_store_that_stops_answering_is_a_lost_store_and_diagnosis_still_returns(monkeypatch):
+    monkeypatch.setattr(health, "STORE_LOST_SECONDS", 1.0)
+    monkeypatch.setattr(health, "STORE_ANSWER_SECONDS", 0.5)
+    store = HangingStore()
+    w = Watcher(store, rank=1, size=2)
+    try:
+        store.hang()  # for good: the link is cut and stays cut
+        assert store.entered.wait(20), "the watcher never reached the store"
+        # The watcher is blocked in its heartbeat. A collective failing now (the
+        # background loop and the executor both explain it) must still be told,
+        # with what can be said without the store.
+        texts = [returns_within(20, w.health.diagnose) for _ in range(2)]
+        for text in texts:
+            assert text.startswith("the rendezvous store is unreachable ("), text
+            assert text.endswith("; the launcher, or rank 0 if it hosted the store, is gone")
+        assert returns_within(20, lambda: w.health.host(0)) == "unknown host"
+        returns_within(20, lambda: w.health.announce("going away"))
+        assert w.got.wait(20), "the hung store was never reported lost"
+        w.health._thread.join(20)
+        assert not w.health._thread.is_alive()
+        assert w.aborts == [] and len(w.lost) == 1
+        assert isinstance(w.lost[0], HvdlikeInternalError)
+        text = str(w.lost[0])
+        assert text.startswith("rank 1: the rendezvous store has been unreachable for "), text
+        assert "did not answer" in text or "has not answered" in text, text
+        assert "rank 0 if it hosted the store, is gone" in text
+        # Nothing queued up behind the hung request: only it ever reached the store.
+        assert store.blocked == 1
+        returns_within(20, lambda: w.health.close(clean=True))
+    finally:
+        store.released.set()
+        w.health.close(clean=False)
+
+
+def test_a_store_that_hangs_once_and_answers_again_keeps_being_used(monkeypatch):
+    monkeypatch.setattr(health, "STORE_LOST_SECONDS", 30.0)
+    monkeypatch.setattr(health, "STORE_ANSWER_SECONDS", 0.5)
+    store = HangingStore()
+    w = Watcher(store, rank=1, size=2)
+    try:
+        store.set("health/host/0", "host0 (pid 10)")
+        store.hang(once=True)
+        assert store.entered.wait(20), "the watcher never reached the store"
+        # Given up on, the request is still in flight: more requests fail at once.
+        assert returns_within(20, w.health.diagnose).startswith(
+            "the rendezvous store is unreachable (")
+        store.released.set()  # the link is back: the late answer arrives
+        beats = store.add("health/hb/1", 0)
+        deadline = time.monotonic() + 20
+        while store.add("health/hb/1", 0) < beats + 3:  # heartbeats resume
+            assert time.monotonic() < deadline, "the watcher did not beat again"
+            time.sleep(0.1)
+        assert w.health.host(0) == "host0 (pid 10)"
+        assert w.lost == [] and w.aborts == [] and w.health._thread.is_alive()
+    finally:
+        store.released.set()
+        w.health.close(clean=False)
