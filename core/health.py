@@ -146,13 +146,17 @@ class _StoreIO:
         """``fn()`` (which uses the store) run on the I/O thread; its result or its
         exception, or :class:`StoreHungError` once ``deadline`` has passed."""
         with self._lock:
-            if self._closed:
-                raise StoreHungError("the health watcher is closed")
             if self._stuck:
                 raise StoreHungError(f"a store request has not answered for over "
                                      f"{self.deadline:g}s")
             request = _Request(fn)
-            self._requests.put(request)
+            if self._closed:
+                # Read after the watcher stopped (why a shutdown happened, for a
+                # late call's error): rare, so a thread of its own for it.
+                threading.Thread(target=self._answer, args=(request,),
+                                 name="hvdlike-health-store", daemon=True).start()
+            else:
+                self._requests.put(request)
         if not request.done.wait(self.deadline):
             with self._lock:
                 if not request.done.is_set():
@@ -164,8 +168,8 @@ class _StoreIO:
         return request.result
 
     def close(self) -> None:
-        """Refuse further requests; the thread ends after those queued (at once if
-        none is hung)."""
+        """End the thread after the requests queued (at once if none is hung);
+        later requests each get a thread of their own."""
         with self._lock:
             self._closed = True
             self._requests.put(None)
@@ -175,17 +179,20 @@ class _StoreIO:
             request = self._requests.get()
             if request is None:
                 return
-            with self._lock:
-                if request.abandoned:
-                    continue
-            try:
-                request.result = request.fn()
-            except BaseException as exc:  # handed to the caller, raised there
-                request.error = exc
-            with self._lock:
-                self._stuck = False  # it answered, late or not: the link is back
-                request.done.set()
+            self._answer(request)
             request = None  # do not keep a result (or traceback) alive while idle
+
+    def _answer(self, request: _Request) -> None:
+        with self._lock:
+            if request.abandoned:
+                return
+        try:
+            request.result = request.fn()
+        except BaseException as exc:  # handed to the caller, raised there
+            request.error = exc
+        with self._lock:
+            self._stuck = False  # it answered, late or not: the link is back
+            request.done.set()
 
 
 class Health:

@@ -213,3 +213,18 @@ def test_a_store_that_hangs_once_and_answers_again_keeps_being_used(monkeypatch)
     finally:
         store.released.set()
         w.health.close(clean=False)
+
+
+def test_after_close_the_store_can_still_be_read_for_a_late_error():
+    # A call made after a negotiated shutdown names the ranks that went away
+    # and their hosts (Runtime._shutdown_reason): those reads come after the
+    # watcher closed, and must still reach the store.
+    host = host_store(timeout=5)
+    w = Watcher(client(host, timeout=5), rank=1, size=2)
+    host.set("health/host/0", "host0 (pid 10)")
+    w.health.close(clean=True)
+    w.health._io._thread.join(5)
+    assert not w.health._io._thread.is_alive()  # the watcher's own thread ended
+    assert w.health.host(0) == "host0 (pid 10)"
+    w.health.announce("went away")
+    assert w.health.announcements() == {1: "went away"}
