@@ -14,8 +14,7 @@ each setting that differs and every rank's value, when they disagree.
 
 from __future__ import annotations
 
-import json
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, Optional
 
 from . import store_wait
 from .config import KNOBS_BY_FIELD, Config
@@ -66,22 +65,9 @@ def check(store, prefix: str, rank: int, size: int, cfg: Config, timeout_seconds
     """
     if size < 2:
         return
-    mine = values(cfg)
-    verdict = f"{prefix}agree/verdict"
-    if rank != 0:
-        store.set(f"{prefix}agree/{rank}", json.dumps(mine).encode())
-        store_wait.await_keys(store, [verdict], [0], timeout_seconds, abandon, gone,
-                              "the check that every rank has the same shared settings")
-        said = json.loads(store.get(verdict).decode())
-        if said:
-            raise ConfigError(said)
-        return
-    keys = [f"{prefix}agree/{r}" for r in range(1, size)]
-    owners: List[int] = list(range(1, size))
-    store_wait.await_keys(store, keys, owners, timeout_seconds, abandon, gone,
-                          "the check that every rank has the same shared settings")
-    theirs = {r: json.loads(store.get(key).decode()) for r, key in zip(owners, keys)}
-    said = disagreements(mine, theirs)
-    store.set(verdict, json.dumps(said).encode())
+    said = store_wait.gather(
+        store, f"{prefix}agree/", rank, size, values(cfg),
+        lambda every: disagreements(every[0], dict(enumerate(every[1:], start=1))),
+        timeout_seconds, abandon, gone, "the check that every rank has the same shared settings")
     if said:
         raise ConfigError(said)

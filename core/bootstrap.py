@@ -40,15 +40,12 @@ def _int(environ: Mapping[str, str], name: str) -> int:
         raise ConfigError(f"{name}={text!r} is not valid: expected an integer") from None
 
 
-_check = checked  # the name this module's detectors use
-
-
 def from_hvdlike_run(environ: Mapping[str, str], start_timeout: float = 60.0):
     if ENV_RANK not in environ:
         return None
     size = _int(environ, ENV_SIZE)
     local_size = int(environ.get(ENV_LOCAL_SIZE, size))
-    topo = _check(
+    topo = checked(
         Topology(
             rank=_int(environ, ENV_RANK),
             size=size,
@@ -92,7 +89,7 @@ def from_torchrun(environ: Mapping[str, str], start_timeout: float = 60.0):
     rank = _int(environ, "RANK")
     local_size = _int_or(environ, "LOCAL_WORLD_SIZE", size)
     nodes = max(1, size // max(1, local_size))
-    topo = _check(
+    topo = checked(
         Topology(
             rank=rank,
             size=size,

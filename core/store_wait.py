@@ -16,8 +16,9 @@ each time with an error that says which ranks it waited for and why it stopped.
 
 from __future__ import annotations
 
+import json
 import time
-from typing import Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 from .errors import HvdlikeInternalError
 
@@ -91,3 +92,26 @@ def await_all(done: Callable[[], bool], missing: Callable[[], List[int]],
             probe_at = now + PROBE_SECONDS
         time.sleep(nap)
         nap = min(nap * 2, longest_nap)
+
+
+def gather(store, prefix: str, rank: int, size: int, mine: Any,
+           decide: Callable[[List[Any]], Any], timeout_seconds: float,
+           abandon: Callable[[], Optional[BaseException]], gone: Gone, what: str) -> Any:
+    """Every rank's ``mine`` gathered at rank 0, ``decide``d there, the outcome on every rank.
+
+    Rank 0 applies ``decide`` to the values in rank order and publishes what it
+    returns; each value and the outcome must be JSON. One key per rank and one
+    read of the outcome each, not ``size`` reads per rank. Collective over
+    ``size`` ranks; ``prefix`` names the exchange.
+    """
+    outcome = f"{prefix}outcome"
+    if rank != 0:
+        store.set(f"{prefix}{rank}", json.dumps(mine).encode())
+        await_keys(store, [outcome], [0], timeout_seconds, abandon, gone, what)
+        return json.loads(store.get(outcome).decode())
+    owners = list(range(1, size))
+    keys = [f"{prefix}{r}" for r in owners]
+    await_keys(store, keys, owners, timeout_seconds, abandon, gone, what)
+    decided = decide([mine] + [json.loads(store.get(key).decode()) for key in keys])
+    store.set(outcome, json.dumps(decided).encode())
+    return decided

@@ -246,23 +246,12 @@ def regroup(store, prefix: str, topo: Topology, node: int, timeout_seconds: floa
     torchrun says which node a rank runs on (``GROUP_RANK``) and how many ranks
     run there, but not how many run on the other nodes; with different
     ``--nproc-per-node`` values Horovod's cross rank (this node's index among
-    the nodes that have a rank with this local rank) needs them all. Rank 0
-    gathers the nodes and publishes them (one key per rank, not ``size``
-    reads each).
+    the nodes that have a rank with this local rank) needs them all.
     """
     if topo.size < 2:
         return topo
-    everyone = f"{prefix}nodes/all"
-    what = "the exchange of each rank's node (torchrun's GROUP_RANK)"
-    if topo.rank != 0:
-        store.set(f"{prefix}nodes/{topo.rank}", str(node).encode())
-        store_wait.await_keys(store, [everyone], [0], timeout_seconds, abandon, gone, what)
-        nodes = json.loads(store.get(everyone).decode())
-    else:
-        owners = list(range(1, topo.size))
-        keys = [f"{prefix}nodes/{r}" for r in owners]
-        store_wait.await_keys(store, keys, owners, timeout_seconds, abandon, gone, what)
-        nodes = [node] + [int(store.get(key).decode()) for key in keys]
-        store.set(everyone, json.dumps(nodes).encode())
+    nodes = store_wait.gather(store, f"{prefix}nodes/", topo.rank, topo.size, node,
+                              lambda every: every, timeout_seconds, abandon, gone,
+                              "the exchange of each rank's node (torchrun's GROUP_RANK)")
     placed = topologies([str(n) for n in nodes])[topo.rank]
     return dataclasses.replace(topo, cross_rank=placed.cross_rank, cross_size=placed.cross_size)

@@ -309,10 +309,11 @@ def to_config(args: argparse.Namespace) -> LaunchConfig:
 
     from . import slurm
 
-    elastic_flags = (args.min_np, args.max_np, args.host_discovery_script)
-    allocated = (None if any(flag is not None for flag in elastic_flags)
+    elastic = any(flag is not None
+                  for flag in (args.min_np, args.max_np, args.host_discovery_script))
+    allocated = (None if elastic
                  else slurm.hosts_if_allocated(os.environ, args.hosts, args.hostfile))
-    if (any(flag is not None for flag in elastic_flags) and args.hosts is None
+    if (elastic and args.hosts is None
             and not args.hostfile and not args.host_discovery_script
             and slurm.in_allocation(os.environ)):
         # Elastic jobs start ranks over ssh or locally, never as srun steps.
