@@ -12,6 +12,7 @@ server (and with it every key the job wrote).
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import errno
 import socket
@@ -66,6 +67,21 @@ def serve(addr: str, port: int, world_size: int, timeout: datetime.timedelta):
 # the ranks of other lists still use them, so they outlive that runtime and are
 # reused by this process's next runtime. (addr, port) -> server.
 _KEPT_SERVERS: dict = {}
+
+
+# Secret-file tags removed when this process exits. Registered at import, before
+# any runtime's own exit handler, so it runs after them (last in, first out).
+_FORGET_AT_EXIT: set = set()
+
+
+def _forget_at_exit(tag: str) -> None:
+    _FORGET_AT_EXIT.add(tag)
+
+
+@atexit.register
+def _forget_kept_secret_files() -> None:
+    for tag in _FORGET_AT_EXIT:
+        secret_share.forget(tag)
 
 
 class JobStore:
@@ -143,10 +159,17 @@ class JobStore:
         return view
 
     def close(self) -> None:
-        """Drop the hosted server (kept with ``keep_server``: other lists' ranks may
-        still use it), the in-process store and any shared secret file (every rank
-        read it long ago: it is only read at start-up)."""
-        self.joined()
+        """Drop the hosted server, the in-process store and any shared secret file.
+
+        With ``keep_server`` (``init(comm=[...])``) the ranks of other lists may
+        not have started yet: they need the server and the secret file as long
+        as this process runs, so the file goes when it exits (a process killed
+        first leaves it to :func:`.secret_share.sweep`).
+        """
+        if not self.keep_server:
+            self.joined()
+        elif self.rendezvous.secret_file_tag and self.topology.rank == 0:
+            _forget_at_exit(self.rendezvous.secret_file_tag)
         if self._server is not None and self.keep_server:
             _KEPT_SERVERS[(self.rendezvous.addr, self.rendezvous.port)] = self._server
         self._server = None

@@ -127,20 +127,25 @@ def test_hvdlike_run_in_sbatch_script_and_a_failing_rank(slurm_cluster, marker):
 def test_srun_ranks_split_by_init_comm_leave_no_secret_file(slurm_cluster, marker):
     # Under srun on one host rank 0 shares the job secret through a file in
     # /dev/shm; a job whose ranks split with init(comm=[...]) kept it after a
-    # clean run (the store is kept for the other lists' ranks; the file is not).
+    # clean run. The other list's rank may start after rank 0's runtime closed
+    # (here: 2 s late, while rank 0's process lingers): it still needs the file.
     script = write_script(marker, "subset.py", """
-        import os
+        import os, time
         import torch
         torch.set_num_threads(1)
         import hvdlike.torch as hvd
         from hvdlike.core import secret_share
 
         r = int(os.environ["SLURM_PROCID"])
+        if r == 2:
+            time.sleep(2)
         hvd.init(comm=[0, 1] if r < 2 else [2])
         total = hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum).item()
         tag = f"srun/{os.environ['SLURM_JOB_ID']}/{os.environ['SLURM_STEP_ID']}"
         print(f"subset rank={r} sum={total:g} file={secret_share.path_for(tag)}", flush=True)
         hvd.shutdown()
+        if r == 0:
+            time.sleep(5)  # rank 0's store serves rank 2 as long as its process runs
     """)
     env = slurm_cluster.env(launcher_env())
     code, out, err = _run(["srun", "-n", "3", "--kill-on-bad-exit=1", sys.executable, script],
