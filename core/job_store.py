@@ -63,6 +63,49 @@ def serve(addr: str, port: int, world_size: int, timeout: datetime.timedelta):
     return store, port
 
 
+# Beyond the store's own timeout, how long a client connection may take before
+# it is given up: the store's timeout bounds each request, not the handshake.
+_HANDSHAKE_GRACE_SECONDS = 5.0
+
+
+def client(addr: str, port: int, world_size: int, timeout: datetime.timedelta):
+    """A ``TCPStore`` client of ``addr:port``, given up after ``timeout`` (+ a grace).
+
+    torch's client sends a handshake once connected and waits for the answer
+    with no deadline: a port that accepts connections but never answers (not a
+    store, or a stopped one) would block the caller for good. The connection is
+    made on a daemon thread instead; if it does not finish in time the caller
+    gets an error and the thread is left behind, blocked in the socket, until
+    the process exits (it holds no lock of the caller's).
+
+    Raises:
+        TimeoutError: connected, but no store answered in time.
+        OSError, RuntimeError: as ``TCPStore`` raises them.
+    """
+    import threading
+
+    import torch.distributed as dist
+
+    box: dict = {}
+
+    def connect() -> None:
+        try:
+            box["store"] = dist.TCPStore(addr, port, world_size, False, timeout=timeout,
+                                         wait_for_workers=False)
+        except BaseException as exc:  # handed to the caller below
+            box["error"] = exc
+
+    worker = threading.Thread(target=connect, name="hvdlike-store-connect", daemon=True)
+    worker.start()
+    worker.join(timeout.total_seconds() + _HANDSHAKE_GRACE_SECONDS)
+    if "error" in box:
+        raise box["error"]
+    if "store" not in box:
+        raise TimeoutError(f"{addr}:{port} accepted the connection but did not answer as a "
+                           f"store (is it the job's rendezvous port?)")
+    return box["store"]
+
+
 # Servers a runtime on part of the job hosted (init(comm=[ranks]) under srun):
 # the ranks of other lists still use them, so they outlive that runtime and are
 # reused by this process's next runtime. (addr, port) -> server.
@@ -125,8 +168,7 @@ class JobStore:
             if rdzv.host_store and topo.rank == 0 and self._server is None:
                 raw = self._server = self._serve(timeout)
             if raw is None:
-                raw = dist.TCPStore(rdzv.addr, rdzv.port, topo.size, False,
-                                    timeout=timeout, wait_for_workers=False)
+                raw = client(rdzv.addr, rdzv.port, topo.size, timeout)
         except Exception as exc:  # OSError, RuntimeError, DistStoreError, TimeoutError
             raise HvdlikeInternalError(
                 f"rank {topo.rank} could not reach the rendezvous store at "

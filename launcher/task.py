@@ -39,12 +39,10 @@ RUN_SECRET_ENV = "HVDLIKE_RUN_SECRET"
 
 
 def _store(addr: str, port: int, size: int, secret: str, timeout_seconds: float):
-    import torch.distributed as dist
-
+    from hvdlike.core.job_store import client
     from hvdlike.core.store_auth import AuthenticatedStore
 
-    store = dist.TCPStore(addr, port, size, False,
-                          timeout=datetime.timedelta(seconds=timeout_seconds))
+    store = client(addr, port, size, datetime.timedelta(seconds=timeout_seconds))
     return AuthenticatedStore(store, secret, MAX_BLOB_BYTES)
 
 
@@ -138,7 +136,12 @@ def main() -> int:
     if not secret:
         sys.stderr.write(f"hvdlike.run: rank {rank} has no job secret; refusing to run\n")
         return REFUSED
-    store = _store(addr, port, size, secret, config.load(os.environ).start_timeout)
+    try:
+        store = _store(addr, port, size, secret, config.load(os.environ).start_timeout)
+    except (OSError, RuntimeError) as exc:  # DistNetworkError is a RuntimeError
+        sys.stderr.write(f"hvdlike.run: rank {rank} could not reach the launcher's store at "
+                         f"{addr}:{port}: {exc}\n")
+        return REFUSED
     try:
         # Unpickling imports the modules fn and its arguments come from; one that
         # calls hvdlike.run at import time (no __main__ guard) must not start a
