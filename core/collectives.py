@@ -65,6 +65,10 @@ def check_tensor(tensor: Any, what: str, allowed=MOVABLE) -> torch.Tensor:
 def check_op(op: Any, what: str, allowed: Sequence[ReduceOp] = tuple(ReduceOp)) -> ReduceOp:
     if type(op) is ReduceOp and op in allowed:  # the usual case, without ReduceOp(op)
         return op
+    if isinstance(op, bool):  # ReduceOp(True) would be Sum: Horovod's ``average`` slot?
+        raise TypeError(f"{what}: op must be a reduction op (Average, Sum, Min, Max, Product, "
+                        f"Adasum), got {op!r}; to choose between averaging and summing "
+                        f"pass op=Average or op=Sum")
     try:
         reduce_op = ReduceOp(op)
     except ValueError:

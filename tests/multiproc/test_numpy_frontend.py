@@ -63,6 +63,16 @@ def _collectives():
     out["rs"] = hvd.reducescatter(_data(r, 12, (5, 2), "float32"), op=hvd.Sum)
     out["grouped_rs"] = hvd.grouped_reducescatter(
         [_data(r, 13, (4,), "float64"), _data(r, 14, (3, 3), "float32")], op=hvd.Average)
+    # Unsigned integers wider than a byte travel bit for bit (values above the
+    # signed range included) and come back in their own dtype.
+    for dtype in ("uint16", "uint32", "uint64"):
+        top = np.iinfo(dtype).max
+        wide = np.array([top - r, r, top // 2 + 1], dtype=dtype)
+        out[f"wide.{dtype}"] = (hvd.broadcast(wide, root_rank=1), hvd.allgather(wide),
+                                hvd.alltoall(np.array([top - r, r], dtype=dtype)))
+        inplace_wide = wide.copy()
+        hvd.broadcast_(inplace_wide, root_rank=0)
+        out[f"wide_inplace.{dtype}"] = inplace_wide
     out["obj"] = hvd.broadcast_object({"epoch": 7} if r == 0 else None, root_rank=0)
     out["objs"] = hvd.allgather_object(("rank", r))
     hvd.barrier()
@@ -128,6 +138,17 @@ def test_numpy_collectives_match_oracle():
         np.testing.assert_allclose(out["grouped_rs"][0], ((a[0] + a[1]) / 2)[2 * r:2 * r + 2])
         rows = slice(0, 2) if r == 0 else slice(2, 3)
         np.testing.assert_allclose(out["grouped_rs"][1], ((b[0] + b[1]) / 2)[rows], rtol=1e-6)
+        for dtype in ("uint16", "uint32", "uint64"):
+            top = np.iinfo(dtype).max
+            sent = [np.array([top - q, q, top // 2 + 1], dtype=dtype) for q in range(NP)]
+            bcast, gathered, exchanged = out[f"wide.{dtype}"]
+            for got in (bcast, gathered, exchanged, out[f"wide_inplace.{dtype}"]):
+                assert got.dtype == np.dtype(dtype)
+            np.testing.assert_array_equal(bcast, sent[1])
+            np.testing.assert_array_equal(gathered, np.concatenate(sent))
+            np.testing.assert_array_equal(exchanged, [top - q if r == 0 else q
+                                                      for q in range(NP)])
+            np.testing.assert_array_equal(out[f"wide_inplace.{dtype}"], sent[0])
         assert out["obj"] == {"epoch": 7}
         assert out["objs"] == [("rank", 0), ("rank", 1)]
         assert out["join"] in (0, 1)
@@ -157,6 +178,7 @@ def _bad_input():
     catch("root", lambda: hvd.broadcast(np.ones(2), root_rank=5))
     catch("splits", lambda: hvd.alltoall(np.ones(3), splits=[1, 1]))
     catch("badop", lambda: hvd.allreduce(np.ones(2), op=3.5))
+    catch("boolop", lambda: hvd.allreduce(np.ones(2), None, True))
     catch("adasum", lambda: hvd.allreduce(np.ones(2), op=hvd_torch.Adasum))
     # Mixing front ends on one name: torch holds "shared.<rank>" while numpy asks for
     # it; each rank's own name stays in flight until the other rank submits it too.
@@ -193,6 +215,9 @@ def test_numpy_bad_input_names_type_and_front_end(tmp_path):
         assert kind == "TypeError" and "hvdlike.numpy.allreduce" in msg and "object" in msg
         kind, msg = errors["uint32"]
         assert kind == "TypeError" and "hvdlike.numpy.allreduce" in msg and "uint32" in msg
+        assert "not reduced" in msg
+        kind, msg = errors["boolop"]
+        assert kind == "TypeError" and "hvdlike.numpy.allreduce" in msg and "True" in msg
         kind, msg = errors["strings"]
         assert kind == "TypeError" and "hvdlike.numpy.allgather" in msg and "<U2" in msg
         kind, msg = errors["list"]

@@ -231,3 +231,15 @@ def test_numpy_alltoall_refuses_fractional_splits_instead_of_truncating():
     assert str(err.value).endswith("alltoall: splits must be integers; splits[0] is float 1.5")
     received, splits = hnp.alltoall(np.arange(4.0), splits=np.array([4]))  # one rank
     assert received.tolist() == [0.0, 1.0, 2.0, 3.0] and list(splits) == [4]
+
+
+@pytest.mark.parametrize("call", [
+    lambda: hvd.allreduce(torch.ones(2), op=True),
+    lambda: hvd.allreduce_async_(torch.ones(2), op=False),
+    lambda: hvd.allreduce(torch.ones(2, requires_grad=True), op=True),
+])
+def test_a_bool_op_is_refused_rather_than_read_as_a_reduction(call):
+    # ReduceOp(True) is Sum: a bool in op's place (Horovod's ``average``) would
+    # silently sum where the caller meant to choose averaging.
+    with pytest.raises(TypeError, match="op must be a reduction op"):
+        call()
