@@ -87,6 +87,13 @@ def start(process_sets: Sequence[ps.ProcessSet], settings: dict, carried=None,
         if _SLOT.runtime is not None:
             _SLOT.runtime.shutdown()
             _SLOT.runtime = None
+        if not _SLOT.exit_hooks_installed:
+            # Before the build: a rank whose init() fails (a bad knob on one
+            # host) must still end an mpirun job, whose other ranks are past
+            # their own init() by then and wait for it.
+            atexit.register(shutdown)
+            _chain_excepthook()
+            _SLOT.exit_hooks_installed = True
         built = Runtime.build(process_sets=process_sets, generation=_SLOT.next_generation(),
                               carried=carried, world=world, **settings)
         try:
@@ -94,10 +101,6 @@ def start(process_sets: Sequence[ps.ProcessSet], settings: dict, carried=None,
         except BaseException:
             built.close()
             raise
-        if not _SLOT.exit_hooks_installed:
-            atexit.register(shutdown)
-            _chain_excepthook()
-            _SLOT.exit_hooks_installed = True
 
 
 def _chain_excepthook() -> None:
@@ -117,23 +120,67 @@ def _chain_excepthook() -> None:
             current.abort(f"exited with an uncaught {exc_type.__name__}"
                           + (f": {text}" if text else ""), exiting=True)
             _abort_mpi()
+        elif current is None:  # init() failed, or the job was shut down before
+            if "mpi4py.MPI" not in sys.modules:
+                _start_mpi_to_abort()
+            _abort_mpi(only_with_peers=True)
 
     sys.excepthook = hook
 
 
-def _abort_mpi() -> None:
+def _start_mpi_to_abort(deadline_seconds: float = 10.0) -> None:
+    """Start MPI in a rank of an mpirun job whose ``init()`` failed before it did.
+
+    A bad knob fails ``init()`` before the bootstrap starts MPI, while the
+    other ranks already wait for this one in their bootstrap's MPI calls: only
+    ``MPI_Abort`` (which needs MPI started) tells mpirun to end the job; an
+    MPICH job otherwise hung. Only for a rank the bootstrap would have started
+    MPI in (an MPI launch of several ranks, no ``HVDLIKE_RANK``), and never
+    for longer than ``deadline_seconds``: the start runs on a daemon thread
+    and a rank it cannot start in exits as before.
+    """
+    import os
+    import threading
+
+    from . import mpi_bootstrap
+
+    environ = os.environ
+    if "HVDLIKE_RANK" in environ:
+        return
+    for _name, rank_var, size_var in mpi_bootstrap.MPI_FLAVOURS:
+        if rank_var in environ and environ.get(size_var, "1").strip() not in ("", "0", "1"):
+            break
+    else:
+        return
+
+    def start() -> None:
+        try:
+            mpi_bootstrap.select_libmpi(environ)
+            from mpi4py import MPI  # noqa: F401 - importing starts MPI
+        except BaseException:  # noqa: BLE001 - no MPI: nothing to abort
+            pass
+
+    starter = threading.Thread(target=start, name="hvdlike-mpi-abort", daemon=True)
+    starter.start()
+    starter.join(deadline_seconds)
+
+
+def _abort_mpi(only_with_peers: bool = False) -> None:
     """End the whole MPI job (``MPI_Abort``) when this process runs under MPI.
 
     Otherwise the dying rank blocks in ``MPI_Finalize`` at exit, waiting for
     peers that wait in a collective for it: an ``mpirun`` job with an uncaught
     exception on one rank hung forever. mpi4py's own ``python -m mpi4py`` does
     the same for an uncaught exception; the traceback is already printed.
+    ``only_with_peers``: not when this process is MPI's only rank.
     """
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is None:
         return
     try:
         if mpi.Is_initialized() and not mpi.Is_finalized():
+            if only_with_peers and mpi.COMM_WORLD.Get_size() < 2:
+                return
             for stream in (sys.stdout, sys.stderr):  # Abort skips the interpreter's exit
                 try:
                     stream.flush()

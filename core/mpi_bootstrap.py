@@ -151,7 +151,7 @@ def threads_disabled(environ: Mapping[str, str]) -> bool:
         raise ConfigError(f"{found[0]}={found[1]!r} is not valid: expected a boolean") from None
 
 
-def _select_libmpi(environ: Mapping[str, str]) -> None:
+def select_libmpi(environ: Mapping[str, str]) -> None:
     """Point mpi4py at the launching MPI's library unless the user chose one; with
     ``HVDLIKE_MPI_THREADS_DISABLE=1`` ask for MPI_THREAD_SINGLE (before MPI starts)."""
     if threads_disabled(environ) and "mpi4py.MPI" not in sys.modules:
@@ -179,7 +179,7 @@ def _from_mpi(environ: Mapping[str, str], name: str, rank_var: str, size_var: st
     if size == 1:
         return Topology(hostname=socket.gethostname()), Rendezvous(
             launcher=name, gloo_iface=gloo_iface)
-    _select_libmpi(environ)
+    select_libmpi(environ)
     try:
         from mpi4py import MPI
     except ImportError:
@@ -206,7 +206,7 @@ def _from_mpi_world(environ: Mapping[str, str], name: str, rank: int, size: int,
     """
     from . import world as world_mod
 
-    _select_libmpi(environ)
+    select_libmpi(environ)
     try:
         from mpi4py import MPI
     except ImportError:

@@ -399,7 +399,8 @@ def execute(config: LaunchConfig) -> int:
 
         if not config.dry_run and all(is_local(h.host) for h in config.hosts):
             check_local_command(config.command, config.cwd, config.environ.get("PATH"))
-        return run_with_mpirun(config, np, dry_run=config.dry_run, verbose=print)
+            Job(config).check_rank_files()  # the timeline and autotune log, as without --mpi
+        return run_with_mpirun(config, np, dry_run=config.dry_run, verbose=print, say=_say)
     if config.elastic is not None:
         from .elastic.launch import run_elastic
 

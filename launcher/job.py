@@ -151,7 +151,7 @@ class Job:
         path = cfg.environ.get("PATH")
         if not cfg.command or any(self.local.values()):
             check_local_command(cfg.command, cfg.cwd, path)
-        self._check_rank_files()
+        self.check_rank_files()
         key = cfg.ssh.identity_file
         if self.remote_hosts and key and not cfg.use_srun and not os.path.isfile(
                 os.path.join(cfg.cwd, os.path.expanduser(key))):
@@ -167,7 +167,7 @@ class Job:
             require_all_ok(checks)
             self.helper_scripts = {check.host: check.helper for check in checks}
 
-    def _check_rank_files(self) -> None:
+    def check_rank_files(self) -> None:
         """The timeline and autotune log that ranks on this machine will write."""
         from hvdlike.core.timeline import configured_path
 

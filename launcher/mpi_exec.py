@@ -99,8 +99,14 @@ def mpirun_command(
         argv = [mpirun]
         if as_root and ROOT_FLAG not in extra:
             argv.append(ROOT_FLAG)
-        argv += ["-np", str(np), "-H", _host_list(hosts), "--bind-to", "none",
-                 "--map-by", "slot", "--tag-output"]
+        argv += ["-np", str(np), "-H", _host_list(hosts)]
+        # Defaults the user's own binding or mapping replaces (Open MPI 5 refuses
+        # either option twice), as --binding-args does under horovodrun.
+        if not _gives(extra, "bind-to"):
+            argv += ["--bind-to", "none"]
+        if not _gives(extra, "map-by"):
+            argv += ["--map-by", "slot"]
+        argv.append("--tag-output")
         if ssh_args:
             argv += ["--mca", "plm_rsh_args", " ".join(shlex.quote(a) for a in ssh_args)]
         for name in env_names:
@@ -116,6 +122,27 @@ def mpirun_command(
     else:
         raise LaunchError(f"--mpi: unsupported MPI flavour {flavour!r}")
     return argv + list(extra) + list(command)
+
+
+def _gives(extra: Sequence[str], option: str) -> bool:
+    """Whether mpirun arguments ``extra`` set ``option`` (``-x``, ``--x``, ``--x=v``)."""
+    return any(arg.lstrip("-").split("=", 1)[0] == option for arg in extra
+               if arg.startswith("-"))
+
+
+def _die_with_parent() -> None:
+    """In mpirun's process, before it runs: be sent SIGTERM when the launcher dies.
+
+    A launcher killed with SIGKILL cannot pass anything on; without this its
+    mpirun (and every rank) ran on, orphaned.
+    """
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the launcher's own signals still pass
+        pass
 
 
 def _write_ssh_wrapper(folder: str, ssh_args: Sequence[str]) -> str:
@@ -134,9 +161,17 @@ def mpi_environment(config: LaunchConfig) -> Mapping[str, str]:
     return env
 
 
+# The launcher's own signals: passed on to mpirun as SIGTERM (it stops every rank);
+# the launcher then exits 128 + the signal it got, as without --mpi.
+_FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
 def run_with_mpirun(config: LaunchConfig, np: int, dry_run: bool = False,
-                    verbose=print, mpirun: str = "mpirun") -> int:
-    """Run the job under mpirun; return its exit status (or 0 after a dry run)."""
+                    verbose=print, mpirun: str = "mpirun", say=None) -> int:
+    """Run the job under mpirun; return its exit status (or 0 after a dry run).
+
+    ``say``: reports a line of the launcher's own (an interrupted job).
+    """
     flavour = detect_flavour(mpirun)
     as_root = hasattr(os, "geteuid") and os.geteuid() == 0
     if as_root and flavour == OPEN_MPI and ROOT_FLAG not in config.mpi_args:
@@ -171,12 +206,23 @@ def run_with_mpirun(config: LaunchConfig, np: int, dry_run: bool = False,
             verbose(shlex.join(argv))
         if dry_run:
             return 0
-        proc = subprocess.Popen(argv, env=dict(env), cwd=config.cwd)
-        previous = {sig: signal.signal(sig, lambda s, f: proc.send_signal(signal.SIGTERM))
-                    for sig in (signal.SIGINT, signal.SIGTERM)}
+        received = []
+
+        def forward(signum, _frame) -> None:
+            received.append(signum)
+            proc.send_signal(signal.SIGTERM)
+
+        proc = subprocess.Popen(argv, env=dict(env), cwd=config.cwd,
+                                preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+        previous = {sig: signal.signal(sig, forward) for sig in _FORWARDED}
         try:
             code = proc.wait()
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+    if received:
+        name = signal.Signals(received[0]).name
+        if say is not None:
+            say(f"job interrupted ({name}); mpirun stopped every rank")
+        return 128 + received[0]
     return 128 - code if code < 0 else code

@@ -204,3 +204,44 @@ def test_ctrl_c_while_the_launcher_starts_up_stops_it(marker):
             kill_session(proc.pid)
         assert code == 130, (delay, err)
         assert "interrupted" in err and "Traceback" not in err, (delay, err)
+
+
+MPI_SLEEPER = """
+    import os, time
+    here = os.path.dirname(os.path.abspath(__file__))
+    with open(os.path.join(here, "ready." + os.environ["PMI_RANK"]), "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("how", ["sighup", "sigkill"])
+def test_an_mpi_launch_stops_every_rank_when_the_launcher_is_signalled_or_killed(marker, how):
+    # Under --mpi the ranks are mpirun's: a SIGHUP to the launcher (its terminal
+    # closed) is passed on and reported as 129; a SIGKILL cannot be passed on,
+    # so mpirun is tied to the launcher's life and stops the ranks itself.
+    from tests.engines import mpi_env
+
+    from .conftest import launcher_env
+
+    env = mpi_env("mpich", launcher_env())
+    (marker / "job.py").write_text(textwrap.dedent(MPI_SLEEPER))
+    proc = start(["--mpi", "-np", "2", "python", str(marker / "job.py")], env=env)
+    try:
+        pids = _wait_ready(marker, 2)
+        if how == "sighup":
+            proc.send_signal(signal.SIGHUP)
+            code, out, err = finish(proc, timeout=30)
+            assert code == 128 + signal.SIGHUP, err
+            assert "job interrupted (SIGHUP)" in err
+        else:
+            proc.kill()
+            proc.communicate(timeout=10)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in pids):
+            time.sleep(0.1)
+        alive = [p for p in pids if psutil.pid_exists(p)
+                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        assert not alive, f"ranks {alive} outlived the launcher"
+    finally:
+        kill_session(proc.pid)

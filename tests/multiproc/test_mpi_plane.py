@@ -268,6 +268,45 @@ def test_an_uncaught_exception_in_a_plain_script_ends_the_mpirun_job(tmp_path):
     assert "RuntimeError: rank one gives up" in output, output[-3000:]
 
 
+def test_a_rank_whose_init_fails_ends_the_mpirun_job(tmp_path):
+    # Rank 1's init() raises (a bad knob on its host) while rank 0's init()
+    # completes and its first collective waits for rank 1: rank 1 used to block
+    # in MPI_Finalize at exit, and the job hung until killed.
+    import os
+    import subprocess
+    import sys
+
+    from .harness import ROOT, _kill_all
+
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import os\n"
+        "import torch\n"
+        "torch.set_num_threads(1)\n"
+        "import hvdlike.torch as hvd\n"
+        "if os.environ.get('PMI_RANK') == '1':\n"
+        "    os.environ['HVDLIKE_FUSION_THRESHOLD'] = 'lots'\n"
+        "hvd.init()\n"
+        "hvd.allreduce(torch.ones(2), name='first')\n"
+        "hvd.shutdown()\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HVDLIKE_")}
+    env.update({"PYTHONPATH": ROOT + os.pathsep + env.get("PYTHONPATH", ""),
+                "OMP_NUM_THREADS": "1", "HVDLIKE_GLOO_TIMEOUT_SECONDS": "300",
+                "HVDLIKE_STALL_CHECK_TIME_SECONDS": "300"})
+    proc = subprocess.Popen([shutil.which("mpirun"), "-np", "2", sys.executable, str(script)],
+                            cwd=str(tmp_path), env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        _kill_all([proc])
+        pytest.fail("mpirun did not finish: the job hung")
+    finally:
+        _kill_all([proc])
+    assert proc.returncode != 0, output
+    assert "HVDLIKE_FUSION_THRESHOLD" in output and "lots" in output, output[-3000:]
+
+
 def _timeline(path):
     import json
 

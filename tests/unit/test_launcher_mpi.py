@@ -74,3 +74,20 @@ def test_output_filename_becomes_hydras_file_patterns():
     assert argv.index("-errfile-pattern") < argv.index("python")
     assert "-outfile-pattern" not in mpirun_command(OPEN_MPI, 2, [HostSlots("localhost", 2)],
                                                     ["python"], [], output_dir="/logs")
+
+
+@pytest.mark.parametrize("extra, kept", [
+    (["--bind-to", "core"], ["--map-by"]),
+    (["-map-by", "node"], ["--bind-to"]),
+    (["--map-by=ppr:1:node", "--bind-to=socket"], []),
+    (["--oversubscribe"], ["--bind-to", "--map-by"]),
+])
+def test_the_users_binding_or_mapping_replaces_the_default(extra, kept):
+    # Open MPI 5 refuses --bind-to or --map-by given twice: --binding-args and
+    # --mpi-args must replace the launcher's defaults, as under horovodrun.
+    argv = mpirun_command(OPEN_MPI, 2, HOSTS, ["python", "t.py"], [], extra=extra)
+    assert argv[-len(extra) - 2:] == extra + ["python", "t.py"]
+    defaults = argv[:-len(extra) - 2]
+    for option in ("--bind-to", "--map-by"):
+        assert (option in defaults) == (option in kept)
+        assert sum(a.lstrip("-").split("=")[0] == option.lstrip("-") for a in argv) == 1
