@@ -10,13 +10,46 @@ the process fails with its traceback, and the launcher treats it as a lost rank.
 from __future__ import annotations
 
 import functools
-from typing import Callable, Optional
+from typing import Callable, List, Optional
 
 from hvdlike.core.errors import (DeadlockError, HorovodInternalError, HostsUpdatedInterrupt,
                                  MismatchError)
 from hvdlike.core.log import logger
 
 from . import worker as worker_mod
+
+Translator = Callable[[BaseException], Optional[BaseException]]
+_TRANSLATORS: List[Translator] = []
+
+
+def register_translator(translator: Translator) -> None:
+    """Let the loop see through a framework's wrapping of hvdlike's exceptions.
+
+    ``translator(exc)`` returns the hvdlike exception that ``exc`` carries, or
+    None when it carries none. Registering the same function twice is a no-op.
+    """
+    if translator not in _TRANSLATORS:
+        _TRANSLATORS.append(translator)
+
+
+def _translate(exc: BaseException) -> BaseException:
+    """The hvdlike exception ``exc`` stands for (``exc`` itself if none does)."""
+    for translator in list(_TRANSLATORS):
+        try:
+            found = translator(exc)
+        except Exception:  # noqa: BLE001 - a broken translator must not hide exc
+            logger.exception("elastic: exception translator %r failed", translator)
+            continue
+        if found is not None:
+            return found
+    return exc
+
+
+def _reraise(caught: BaseException, exc: BaseException):
+    """Propagate ``exc``; when it was unwrapped from ``caught``, without the wrapper."""
+    if exc is caught:
+        raise caught
+    raise exc.with_traceback(exc.__traceback__) from None
 
 
 def run_fn(func: Callable, reset: Callable[[], None],
@@ -55,19 +88,23 @@ def run_fn(func: Callable, reset: Callable[[], None],
                 if not skip_sync:
                     state.sync()
                 return func(state, *args, **kwargs)
-            except HorovodInternalError as exc:
-                if not is_elastic() or isinstance(exc, (MismatchError, DeadlockError)):
-                    # Ranks that disagree, or wait on each other, would do so again
-                    # after a re-form (and nobody left: no new generation would come).
-                    raise
-                logger.warning("collective failed (%s); restoring the last commit and "
-                               "re-forming", exc)
-                state.restore()
-                skip_sync = False
-            except HostsUpdatedInterrupt as exc:
-                if not is_elastic():
-                    raise
-                skip_sync = exc.skip_sync
+            except Exception as caught:  # noqa: BLE001 - sorted out just below
+                exc = _translate(caught)
+                if isinstance(exc, HorovodInternalError):
+                    if not is_elastic() or isinstance(exc, (MismatchError, DeadlockError)):
+                        # Ranks that disagree, or wait on each other, would do so again
+                        # after a re-form (and nobody left: no new generation would come).
+                        _reraise(caught, exc)
+                    logger.warning("collective failed (%s); restoring the last commit and "
+                                   "re-forming", exc)
+                    state.restore()
+                    skip_sync = False
+                elif isinstance(exc, HostsUpdatedInterrupt):
+                    if not is_elastic():
+                        _reraise(caught, exc)
+                    skip_sync = exc.skip_sync
+                else:
+                    _reraise(caught, exc)
             reset()
             reformed = True
 

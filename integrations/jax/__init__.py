@@ -19,6 +19,12 @@ results are JAX arrays of the input dtype. The synchronous collectives also
 work inside ``jax.jit`` (staged as ordered host callbacks); ``*_async``
 handles are for eager code. Knobs, errors and process sets are those of every
 other front end.
+
+JAX reports an exception raised inside a jitted function as
+``jax.errors.JaxRuntimeError``; ``hvd.jit`` (``jax.jit`` with the same
+arguments) and ``with hvd.original_errors():`` raise the hvdlike exception
+instead (``HorovodInternalError`` for a lost peer, ``MismatchError`` ...),
+and ``hvd.elastic.run`` sees through the JAX error on its own.
 """
 
 from hvdlike.core.api import (
@@ -27,11 +33,14 @@ from hvdlike.core.api import (
 )
 from hvdlike.core.errors import HorovodInternalError, HvdlikeInternalError, MismatchError
 from hvdlike.core.messages import ReduceOp
-from hvdlike.core.process_sets import ProcessSet, global_process_set
+from hvdlike.core.process_sets import (
+    ProcessSet, add_process_set, global_process_set, remove_process_set,
+)
 from hvdlike.frontend import barrier, join, poll, synchronize
 from hvdlike.frontend.objects import allgather_object, broadcast_object
 
 from . import elastic
+from .errors import jit, original_error, original_errors
 from .ops import allgather, allreduce, alltoall, broadcast, grid, grouped_allreduce, reducescatter
 from .optimizer import DistributedOptimizer, allreduce_gradients
 from .pytree import allreduce_pytree, broadcast_pytree, broadcast_variables
@@ -55,12 +64,14 @@ grouped_reducescatter_async = grid.grouped_reducescatter_async
 
 __all__ = [
     "Average", "DistributedOptimizer", "HorovodInternalError", "HvdlikeInternalError", "Max",
-    "Min", "MismatchError", "ProcessSet", "Product", "Sum", "allgather", "allgather_async",
-    "allgather_object", "allreduce", "allreduce_async", "allreduce_gradients",
-    "allreduce_pytree", "alltoall", "alltoall_async", "barrier", "broadcast", "broadcast_async",
-    "broadcast_object", "broadcast_pytree", "broadcast_variables", "cross_rank", "cross_size",
-    "global_process_set", "grouped_allgather", "grouped_allgather_async", "grouped_allreduce",
+    "Min", "MismatchError", "ProcessSet", "Product", "Sum", "add_process_set", "allgather",
+    "allgather_async", "allgather_object", "allreduce", "allreduce_async",
+    "allreduce_gradients", "allreduce_pytree", "alltoall", "alltoall_async", "barrier",
+    "broadcast", "broadcast_async", "broadcast_object", "broadcast_pytree",
+    "broadcast_variables", "cross_rank", "cross_size", "global_process_set",
+    "grouped_allgather", "grouped_allgather_async", "grouped_allreduce",
     "grouped_allreduce_async", "grouped_reducescatter", "grouped_reducescatter_async", "init",
-    "is_homogeneous", "is_initialized", "join", "local_rank", "local_size", "poll", "rank",
-    "reducescatter", "reducescatter_async", "shutdown", "size", "synchronize",
+    "is_homogeneous", "is_initialized", "jit", "join", "local_rank", "local_size",
+    "original_error", "original_errors", "poll", "rank", "reducescatter",
+    "reducescatter_async", "remove_process_set", "shutdown", "size", "synchronize",
 ]

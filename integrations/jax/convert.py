@@ -41,6 +41,48 @@ def check_array(value, what: str) -> None:
             f"jax.device_put(x, jax.devices('cpu')[0]))")
 
 
+def is_float0(dtype) -> bool:
+    """The dtype of gradients w.r.t. integer inputs (``jax.grad(..., allow_int=True)``)."""
+    return dtype == jax.dtypes.float0
+
+
+def _is_key(dtype) -> bool:
+    try:
+        return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+    except TypeError:
+        return False
+
+
+def check_dtype(dtype, what: str) -> None:
+    """Refuse the JAX dtypes that hold no plain numbers, saying what to do instead.
+
+    Typed PRNG keys and float0 would otherwise fail deep inside DLPack or the
+    numpy adapter, with a message about capsules or numpy dtypes.
+    """
+    if _is_key(dtype):
+        raise TypeError(f"{FRONTEND}.{what}: typed PRNG key arrays ({dtype}, from "
+                        f"jax.random.key) cannot be communicated; convert them with "
+                        f"jax.random.key_data(keys) and back with "
+                        f"jax.random.wrap_key_data(data)")
+    if is_float0(dtype):
+        raise TypeError(f"{FRONTEND}.{what}: float0 arrays (gradients w.r.t. integer inputs, "
+                        f"from jax.grad(..., allow_int=True)) carry no values, so there is "
+                        f"nothing to communicate; allreduce_pytree and allreduce_gradients "
+                        f"pass float0 leaves through unchanged")
+
+
+def _renamed(exc: Exception) -> Exception:
+    """``exc`` from the numpy adapter, naming this front end's function instead."""
+    message = str(exc)
+    prefix = NumpyAdapter.frontend + "."
+    if not message.startswith(prefix):
+        return exc
+    try:
+        return type(exc)(FRONTEND + "." + message[len(prefix):])
+    except Exception:  # noqa: BLE001 - an exception type with another signature
+        return exc
+
+
 class JaxAdapter(Adapter):
     """JAX arrays (or numpy arrays and scalars) in, JAX arrays out."""
 
@@ -56,6 +98,9 @@ class JaxAdapter(Adapter):
                             f"allreduce, grouped_allreduce, broadcast, allgather, alltoall and "
                             f"reducescatter are available (call this one outside the traced "
                             f"function)")
+        dtype = getattr(value, "dtype", None)
+        if dtype is not None:
+            check_dtype(dtype, what)
         if isinstance(value, jax.Array):
             check_array(value, what)
             try:
@@ -66,7 +111,10 @@ class JaxAdapter(Adapter):
         if isinstance(value, (bool, int, float)):
             value = np.asarray(jnp.asarray(value))  # JAX's default dtype for Python scalars
         if isinstance(value, (np.ndarray, np.generic)):
-            return self._numpy.to_torch(value, what)
+            try:
+                return self._numpy.to_torch(value, what)
+            except (TypeError, ValueError) as exc:
+                raise _renamed(exc) from None
         raise TypeError(f"{FRONTEND}.{what} expects a jax.Array, got "
                         f"{type(value).__module__}.{type(value).__qualname__}")
 

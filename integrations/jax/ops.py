@@ -9,6 +9,10 @@ callbacks run in program order, which keeps every rank's sequence of
 collectives the same. The collective's name is fixed when the function is
 traced, so each execution reuses it (and hits the response cache).
 
+An exception raised by the callback reaches the caller as JAX's
+``JaxRuntimeError``; the callback records it first, so that
+:mod:`hvdlike.jax.errors` can hand the original back.
+
 Result shapes must be known while tracing, so under ``jit`` an allgather
 assumes every rank contributes the same shape and an alltoall takes no
 ``splits``; eager calls have neither restriction.
@@ -29,7 +33,8 @@ from hvdlike.core.process_sets import global_process_set
 from hvdlike.frontend import ArrayOps
 from hvdlike.frontend.submit import name_for, set_size
 
-from .convert import FRONTEND, JaxAdapter, is_traced
+from . import errors
+from .convert import FRONTEND, JaxAdapter, check_dtype, is_traced
 
 Average = ReduceOp.AVERAGE
 grid = ArrayOps(JaxAdapter())
@@ -59,27 +64,37 @@ def _as_jax(values: Sequence) -> list:
     return out
 
 
-def _stand_in(value) -> np.ndarray:
+def _stand_in(value, what: str) -> np.ndarray:
     """A numpy array of ``value``'s shape and dtype that owns no real memory."""
+    check_dtype(value.dtype, what)
     return np.broadcast_to(np.zeros((), dtype=np.dtype(value.dtype)), tuple(value.shape))
 
 
 def _tensor(value, what: str):
     """The torch view of a stand-in for ``value``, refused as the eager call would refuse it."""
-    return grid._tensor(_stand_in(value), what)
+    return grid._tensor(_stand_in(value, what), what)
 
 
 def _staged(eager: Callable, values: Sequence, shapes: Sequence[jax.ShapeDtypeStruct]):
     """Run ``eager(list_of_concrete_arrays)`` from inside the traced program."""
     def host(*concrete):
-        results = eager(list(concrete))
-        for got, want in zip(results, shapes):
-            if tuple(got.shape) != tuple(want.shape):
-                raise ValueError(f"{FRONTEND}: inside jax.jit the result shape must be known "
-                                 f"when tracing; expected {want.shape}, got {got.shape} "
-                                 f"(do all ranks pass the same shape?)")
-        return list(results)
+        try:
+            return _run_on_host(eager, concrete, shapes)
+        except Exception as exc:
+            errors.record(exc)  # JAX will hand the caller only a formatted copy
+            raise
     return io_callback(host, list(shapes), *values, ordered=True)
+
+
+def _run_on_host(eager: Callable, concrete: Sequence, shapes: Sequence[jax.ShapeDtypeStruct]):
+    """The eager collective on the callback's concrete arrays, with the traced shapes checked."""
+    results = eager(list(concrete))
+    for got, want in zip(results, shapes):
+        if tuple(got.shape) != tuple(want.shape):
+            raise ValueError(f"{FRONTEND}: inside jax.jit the result shape must be known "
+                             f"when tracing; expected {want.shape}, got {got.shape} "
+                             f"(do all ranks pass the same shape?)")
+    return list(results)
 
 
 def _spec(value, shape=None) -> jax.ShapeDtypeStruct:
@@ -101,8 +116,8 @@ def allreduce(tensor, name: Optional[str] = None, op=Average, prescale_factor=1.
         return grid.allreduce(tensor, name, op, prescale_factor, postscale_factor, process_set)
     name = _trace_name(name, "allreduce", process_set)
     # The eager checks (op, dtype, scale factors) run now, on a stand-in.
-    grid._allreduce_entries(_stand_in(tensor), name, op, prescale_factor, postscale_factor,
-                            False, False, process_set)
+    grid._allreduce_entries(_stand_in(tensor, "allreduce"), name, op, prescale_factor,
+                            postscale_factor, False, False, process_set)
     return _staged(lambda xs: [grid.allreduce(xs[0], name, op, prescale_factor, postscale_factor,
                                              process_set)], [tensor], [_spec(tensor)])[0]
 
@@ -116,8 +131,8 @@ def grouped_allreduce(tensors, name: Optional[str] = None, op=Average, prescale_
                                      process_set)
     tensors = _as_jax(tensors)
     name = _trace_name(name, "grouped_allreduce", process_set)
-    grid._allreduce_entries([_stand_in(t) for t in tensors], name, op, prescale_factor,
-                            postscale_factor, False, True, process_set)
+    grid._allreduce_entries([_stand_in(t, "grouped_allreduce") for t in tensors], name, op,
+                            prescale_factor, postscale_factor, False, True, process_set)
     return _staged(lambda xs: grid.grouped_allreduce(xs, name, op, prescale_factor,
                                                     postscale_factor, process_set),
                    tensors, [_spec(t) for t in tensors])

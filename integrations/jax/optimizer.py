@@ -10,7 +10,10 @@ few buffers). Chain it in front of any optimizer::
     tx = hvd.DistributedOptimizer(optax.adam(1e-3))
 
 It works in an eager step and inside ``jax.jit`` (the collective is staged
-as an ordered host callback, see :mod:`hvdlike.jax.ops`).
+as an ordered host callback, see :mod:`hvdlike.jax.ops`). A jitted step whose
+allreduce fails raises JAX's ``JaxRuntimeError``; built with ``hvd.jit`` or
+called inside ``hvd.original_errors()`` it raises hvdlike's exception
+(``HorovodInternalError``, ``MismatchError``), see :mod:`hvdlike.jax.errors`.
 """
 
 from __future__ import annotations

@@ -21,11 +21,20 @@ from hvdlike.frontend.submit import name_for
 from hvdlike.frontend.objects import allgather_object, broadcast_object
 
 from . import ops
-from .convert import FRONTEND, is_traced
+from .convert import FRONTEND, is_float0, is_traced
 
 
 def _is_array(leaf) -> bool:
     return isinstance(leaf, (jax.Array, np.ndarray, np.generic))
+
+
+def _no_data(leaf) -> bool:
+    """A float0 leaf (gradient w.r.t. an integer input): no values, nothing to send.
+
+    ``jax.grad(..., allow_int=True)`` gives one per integer leaf; every rank
+    holds the same (empty) value, so it is passed through as it is.
+    """
+    return is_float0(getattr(leaf, "dtype", None))
 
 
 def broadcast_pytree(tree: Any, root_rank: int = 0, name: Optional[str] = None,
@@ -53,7 +62,7 @@ def broadcast_pytree(tree: Any, root_rank: int = 0, name: Optional[str] = None,
                         f"the initial state once, before the training step")
     base = name_for(name, "broadcast_pytree", process_set, kind=False)
     _check_same_structure(leaves, treedef, f"{base}.structure", process_set)
-    arrays = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
+    arrays = [i for i, leaf in enumerate(leaves) if _is_array(leaf) and not _no_data(leaf)]
     others = [i for i, leaf in enumerate(leaves) if not _is_array(leaf)]
     for i in arrays:  # refuse a bad leaf before anything is in flight
         ops.grid._tensor(leaves[i], "broadcast_pytree")
@@ -106,11 +115,17 @@ def allreduce_pytree(tree: Any, name: Optional[str] = None, op=ops.Average,
                      process_set=global_process_set) -> Any:
     """Reduce every array leaf of ``tree`` across ranks in one grouped allreduce.
 
-    Works eagerly and inside ``jax.jit`` (see :mod:`hvdlike.jax.ops`).
+    Works eagerly and inside ``jax.jit`` (see :mod:`hvdlike.jax.ops`). float0
+    leaves (gradients w.r.t. integer inputs) hold no values and come back as
+    they are.
     """
     leaves, treedef = jax.tree.flatten(tree)
-    if not leaves:
+    carried = [i for i, leaf in enumerate(leaves) if not _no_data(leaf)]
+    if not carried:
         return tree
-    reduced = ops.grouped_allreduce(leaves, name, op, prescale_factor, postscale_factor,
-                                    process_set)
-    return jax.tree.unflatten(treedef, list(reduced))
+    reduced = ops.grouped_allreduce([leaves[i] for i in carried], name, op, prescale_factor,
+                                    postscale_factor, process_set)
+    out = list(leaves)
+    for i, value in zip(carried, reduced):
+        out[i] = value
+    return jax.tree.unflatten(treedef, out)
