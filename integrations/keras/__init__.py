@@ -20,32 +20,50 @@ needed. Knobs, errors and process sets are those of every other front end.
 """
 
 from hvdlike.core.api import (
-    cross_rank, cross_size, init, is_homogeneous, is_initialized, local_rank, local_size, rank,
-    shutdown, size,
+    ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled, init,
+    is_homogeneous, is_initialized, local_rank, local_size, mpi_built, mpi_enabled,
+    mpi_threads_supported, nccl_built, rank, rocm_built, shutdown, size, start_timeline,
+    stop_timeline,
 )
 from hvdlike.core.errors import HorovodInternalError, HvdlikeInternalError, MismatchError
 from hvdlike.core.messages import ReduceOp
-from hvdlike.core.process_sets import ProcessSet, global_process_set
+from hvdlike.core.process_sets import (
+    ProcessSet, add_process_set, global_process_set, remove_process_set,
+)
 from hvdlike.frontend import barrier, join
 from hvdlike.frontend.objects import allgather_object, broadcast_object
 
-from .backend import allgather, allreduce, broadcast, broadcast_variables, grouped_allreduce
+from .backend import (
+    Compression, allgather, allreduce, broadcast, broadcast_variables, grouped_allreduce,
+    reducescatter,
+)
 from . import callbacks  # after .backend: its import error is the helpful one
 from . import elastic
 from .callbacks import (
-    BroadcastGlobalVariablesCallback, LearningRateWarmupCallback, MetricAverageCallback,
+    BestModelCheckpoint, BroadcastGlobalVariablesCallback, LearningRateScheduleCallback,
+    LearningRateWarmupCallback, MetricAverageCallback,
 )
 from .optimizer import DistributedOptimizer
+from .saving import broadcast_global_variables, load_model
 
 Average = ReduceOp.AVERAGE
 Sum = ReduceOp.SUM
+Adasum = ReduceOp.ADASUM
+Min = ReduceOp.MIN
+Max = ReduceOp.MAX
+Product = ReduceOp.PRODUCT
 
 __all__ = [
-    "Average", "BroadcastGlobalVariablesCallback", "DistributedOptimizer",
-    "HorovodInternalError", "HvdlikeInternalError", "LearningRateWarmupCallback",
-    "MetricAverageCallback", "MismatchError", "ProcessSet", "Sum", "allgather",
-    "allgather_object", "allreduce", "barrier", "broadcast", "broadcast_object",
-    "broadcast_variables", "callbacks", "cross_rank", "elastic", "cross_size", "global_process_set",
-    "grouped_allreduce", "init", "is_homogeneous", "is_initialized", "join", "local_rank",
-    "local_size", "rank", "shutdown", "size",
+    "Adasum", "Average", "BestModelCheckpoint", "BroadcastGlobalVariablesCallback",
+    "Compression", "DistributedOptimizer", "HorovodInternalError", "HvdlikeInternalError",
+    "LearningRateScheduleCallback", "LearningRateWarmupCallback", "Max",
+    "MetricAverageCallback", "Min", "MismatchError", "ProcessSet", "Product", "Sum",
+    "add_process_set", "allgather", "allgather_object", "allreduce", "barrier", "broadcast",
+    "broadcast_global_variables", "broadcast_object", "broadcast_variables", "callbacks",
+    "ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built", "elastic",
+    "gloo_built", "gloo_enabled", "global_process_set", "grouped_allreduce", "init",
+    "is_homogeneous", "is_initialized", "join", "load_model", "local_rank", "local_size",
+    "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "rank",
+    "reducescatter", "remove_process_set", "rocm_built", "shutdown", "size", "start_timeline",
+    "stop_timeline",
 ]
