@@ -1,15 +1,18 @@
-"""hvdlike on Ray: ``RayExecutor`` runs ranks as Ray actors (``horovod.ray``'s API),
-``HvdlikeConfig`` is a Ray Train backend.
+"""hvdlike on Ray: ``RayExecutor`` runs ranks as Ray actors (``horovod.ray``'s API;
+``ElasticRayExecutor`` is Horovod's older elastic class over it, ``ray_logger.log``
+feeds ``run(..., callbacks=)``), ``HvdlikeConfig`` is a Ray Train backend.
 
 Needs ``pip install 'hvdlike[ray]'``; Ray is imported when an executor starts
 (``HvdlikeConfig`` imports ``ray.train`` on first use), not by ``import
 hvdlike.ray``. See docs/launcher.md ("Ray").
 """
 
-from .executor import RayExecutor, RaySettings
+from . import ray_logger
+from .executor import ElasticRayExecutor, RayExecutor, RaySettings
 from .worker import RankFailure
 
-__all__ = ["HvdlikeConfig", "RayExecutor", "RaySettings", "RankFailure"]
+__all__ = ["ElasticRayExecutor", "HvdlikeConfig", "RayExecutor", "RaySettings", "RankFailure",
+           "ray_logger"]
 
 
 def __getattr__(name):

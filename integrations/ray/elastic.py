@@ -41,9 +41,10 @@ from hvdlike.launcher.elastic.settings import ElasticSettings, validate
 from hvdlike.launcher.errors import LaunchError
 from hvdlike.launcher.hosts import HostSlots, RankPlacement
 from hvdlike.launcher.monitor import Output, WorkerState
-from hvdlike.launcher.rendezvous import StoreServer, interface_address, new_secret
+from hvdlike.launcher.rendezvous import StoreServer, new_secret
 
-from .worker import Worker
+from . import checks
+from .worker import UNPICKLABLE, Worker
 
 NODE_ID_CHARS = 12  # of Ray's node id, in a host's name
 
@@ -127,29 +128,28 @@ class ElasticParams:
         try:
             return validate(settings)
         except LaunchError as exc:  # the launcher's flag names -> this API's names
-            text = str(exc).replace("--min-np", "min_workers").replace("--max-np", "max_workers")
-            text = text.replace("--reset-limit", "reset_limit").replace(
-                "--elastic-timeout", "elastic_timeout").replace(
-                "--blacklist-cooldown-range", "cooldown_range")
-            raise ValueError(f"RayExecutor: {text}") from None
+            raise checks.ConfigError(f"RayExecutor: {checks.flag_names(str(exc))}") from None
 
 
-def check_params(min_workers, max_workers, reset_limit, cooldown_range, elastic_timeout) -> None:
-    """Refuse bad elastic arguments before anything starts.
+def check_params(min_workers, max_workers, reset_limit, cooldown_range,
+                 elastic_timeout) -> Optional[Tuple[float, float]]:
+    """Refuse bad elastic arguments before anything starts; the checked ``cooldown_range``.
 
     Raises:
-        ValueError: naming the argument and its value.
+        ValueError: (a ``ConfigError``) naming the argument and its value.
     """
-    if not isinstance(min_workers, int) or min_workers < 1:
-        raise ValueError(f"RayExecutor: min_workers={min_workers!r} must be a positive integer")
-    if max_workers is not None and (not isinstance(max_workers, int) or max_workers < min_workers):
-        raise ValueError(f"RayExecutor: max_workers={max_workers!r} must be an integer "
-                         f">= min_workers ({min_workers})")
-    if cooldown_range is not None and len(tuple(cooldown_range)) != 2:
-        raise ValueError(f"RayExecutor: cooldown_range={cooldown_range!r}: give (low, high) seconds")
-    ElasticParams(min_workers, max_workers, reset_limit,
-                  tuple(cooldown_range) if cooldown_range else None,
+    where = "RayExecutor"
+    checks.count(where, "min_workers", min_workers)
+    if max_workers is not None and checks.count(where, "max_workers", max_workers) < min_workers:
+        raise checks.ConfigError(f"RayExecutor: max_workers={max_workers!r} must be an "
+                                 f"integer >= min_workers ({min_workers})")
+    if reset_limit is not None:
+        checks.count(where, "reset_limit", reset_limit, minimum=0)
+    cooldown_range = checks.cooldown(where, cooldown_range)
+    elastic_timeout = checks.seconds(where, "elastic_timeout", elastic_timeout)
+    ElasticParams(min_workers, max_workers, reset_limit, cooldown_range,
                   elastic_timeout).settings(min_workers)
+    return cooldown_range
 
 
 class _Notes(Output):
@@ -157,7 +157,7 @@ class _Notes(Output):
 
     def note(self, text: str) -> None:
         with self._lock:
-            self._streams["stderr"].write(f"hvdlike.ray: {text}\n")
+            self._streams["stderr"].write(f"hvdlike.ray: {checks.flag_names(text)}\n")
             self._streams["stderr"].flush()
 
 
@@ -166,10 +166,14 @@ class RayRank:
 
     remote = True
 
-    def __init__(self, placement: RankPlacement, actor: Any, ref: Any):
+    def __init__(self, placement: RankPlacement, actor: Any, ref: Any = None):
         self.placement = placement
         self.actor = actor
         self.ref = ref
+        self.submitted = threading.Event()  # set once ``ref`` (the run's call) exists
+        if ref is not None:
+            self.submitted.set()
+        self.gpu_ids: List[str] = []
         self.state = WorkerState.RUNNING
         self.exit_code: Optional[int] = None
         self.exit_reason: Optional[str] = None
@@ -182,6 +186,16 @@ class RayRank:
         return self.placement.rank
 
     @property
+    def unpicklable(self) -> bool:
+        """Whether the rank ended with a result that cannot be pickled (a job error)."""
+        return bool(self.outcome) and self.outcome.get("type") == UNPICKLABLE
+
+    def submit(self, ref: Any) -> None:
+        """The run's call on this actor has been submitted: :meth:`wait` may wait for it."""
+        self.ref = ref
+        self.submitted.set()
+
+    @property
     def host(self) -> str:
         return self.placement.host
 
@@ -189,6 +203,11 @@ class RayRank:
         """Block until the rank's function ends; 0 when it returned (or left the job)."""
         import ray
 
+        self.submitted.wait()
+        if self.ref is None:  # never submitted: the generation's start failed
+            self.exit_reason = "could not be started"
+            self.exit_code = 1
+            return 1
         try:
             self.outcome = ray.get(self.ref)
         except ray.exceptions.RayActorError as exc:
@@ -223,7 +242,29 @@ class RayRank:
 
 
 class _RayElasticDriver(ElasticDriver):
-    """The launcher's elastic driver, starting Ray actors instead of processes."""
+    """The launcher's elastic driver, starting Ray actors instead of processes.
+
+    A generation's new actors are created first and given their function only
+    once all exist (:meth:`ElasticRayJob.submit_pending`), so each knows the
+    GPUs of its node's other new ranks. A rank whose result cannot be pickled
+    fails the job at once: that is the function's doing, not a lost node to
+    blacklist and re-form without.
+    """
+
+    def _publish(self, members, removed_only: bool) -> None:
+        try:
+            super()._publish(members, removed_only)
+        finally:
+            self.job.submit_pending()
+
+    def _exited(self, worker_id: str, code: int) -> None:
+        rank = self.live.get(worker_id)
+        if code != 0 and isinstance(rank, RayRank) and rank.unpicklable:
+            del self.live[worker_id]
+            rank.state = WorkerState.FAILED
+            self._fail(f"rank {rank.rank} (host {rank.host}): {rank.outcome['message']}")
+            return
+        super()._exited(worker_id, code)
 
     def _start(self, worker_id: str, placement: RankPlacement, number: int) -> RayRank:
         rank = self.job.spawn(worker_id, placement, self.worker_env(worker_id, number))
@@ -273,13 +314,25 @@ class ElasticRayJob:
         self.driver: Optional[_RayElasticDriver] = None
         self.last_result = None
         self._fn: Optional[Callable[[Any], Any]] = None
+        self._queue: Any = None  # the run's callbacks queue (None: no callbacks)
+        self._pending: List[Tuple[RayRank, Dict[str, str]]] = []  # created, not yet submitted
+
+    @property
+    def started(self) -> bool:
+        """Whether :meth:`start` succeeded and :meth:`shutdown` has not been called since."""
+        return self.discovery is not None
 
     # -- start ---------------------------------------------------------------------
 
     def start(self, executable_cls, executable_args, executable_kwargs, extra_env) -> None:
-        """Check the cluster has ``min_workers`` slots (waiting up to ``elastic_timeout``)."""
+        """Check the cluster has ``min_workers`` slots (waiting up to ``elastic_timeout``).
+
+        ``extra_env`` is already strings (the executor converts it).
+        """
         import ray
 
+        if self.nic:  # the store listens here: a missing interface is known now
+            checks.nic_address("RayExecutor.start", self.nic)
         self.executable = (executable_cls, tuple(executable_args or ()),
                            dict(executable_kwargs or {}))
         self.extra_env = dict(extra_env or {})
@@ -303,7 +356,7 @@ class ElasticRayJob:
 
     def _store_address(self, ray) -> str:
         if self.nic:
-            return interface_address(self.nic)
+            return checks.nic_address("RayExecutor.start", self.nic)
         here = ray.util.get_node_ip_address()
         if all(n.get("NodeManagerAddress") == here for n in ray.nodes() if n.get("Alive")):
             return "127.0.0.1"  # every node on this machine
@@ -312,7 +365,7 @@ class ElasticRayJob:
     # -- one run -------------------------------------------------------------------
 
     def spawn(self, worker_id: str, placement: RankPlacement, elastic_env: Mapping[str, str]):
-        """Start one rank actor on its node and submit the run's function to it."""
+        """Start one rank actor on its node; :meth:`submit_pending` gives it the function."""
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -328,14 +381,55 @@ class ElasticRayJob:
                                         self.store.port, self.store.secret, self.nic, knobs)
         env[ENV_LAUNCHER] = "ray"
         env.update(elastic_env)
-        cls, args, kwargs = self.executable
-        ref = actor.run_elastic.remote(env, self._fn, cls, args, kwargs)
-        rank = RayRank(placement, actor, ref)
+        rank = RayRank(placement, actor)
         self.ranks[worker_id] = rank
+        self._pending.append((rank, env))
         return rank
 
-    def run(self, fn: Callable[[Any], Any]) -> List[Any]:
+    def submit_pending(self) -> None:
+        """Give the actors created for a generation their function, GPUs settled first.
+
+        With GPUs, each new rank sees the union of the GPUs of its node's live
+        ranks (``CUDA_VISIBLE_DEVICES``), as in a fixed job.
+        """
+        import ray
+
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        try:
+            if self.gpus_per_worker:
+                self._settle_gpus(ray, pending)
+            cls, args, kwargs = self.executable
+            for rank, env in pending:
+                rank.submit(rank.actor.run_elastic.remote(env, self._fn, cls, args, kwargs,
+                                                          self._queue))
+        finally:
+            for rank, _ in pending:
+                rank.submitted.set()  # a rank not submitted reports that it could not start
+
+    def _settle_gpus(self, ray, pending) -> None:
+        from .executor import visible_devices
+
+        try:
+            found = ray.get([rank.actor.where.remote() for rank, _ in pending],
+                            timeout=self.timeout_s)
+        except Exception as exc:  # noqa: BLE001 - such a rank fails when it runs
+            self.output.note(f"could not read the new ranks' GPU ids: {type(exc).__name__}")
+            return
+        for (rank, _), where in zip(pending, found):
+            rank.gpu_ids = list(where["gpu_ids"])
+        live = [r for r in self.ranks.values() if r.gpu_ids and r.exit_code is None]
+        devices = dict(zip(map(id, live), visible_devices([r.host for r in live],
+                                                          [r.gpu_ids for r in live])))
+        for rank, env in pending:
+            if id(rank) in devices:
+                env["CUDA_VISIBLE_DEVICES"] = devices[id(rank)]
+
+    def run(self, fn: Callable[[Any], Any], queue: Any = None) -> List[Any]:
         """Run ``fn(executable)`` elastically; the last generation's values in rank order.
+
+        ``queue``: where ``ray_logger.log`` on the ranks sends values (the callbacks').
 
         Raises:
             RankError: the job failed (every lost rank listed, with the first
@@ -347,7 +441,7 @@ class ElasticRayJob:
         discovery = LastGood(self.discovery, warn=self.output.note)
         hosts = discovery.find()
         settings = self.params.settings(sum(h.slots for h in hosts))
-        self._fn = fn
+        self._fn, self._queue = fn, queue
         self.ranks = {}
         self.store = StoreServer(self.addr, settings.np, new_secret(), self.timeout_s).__enter__()
         try:
@@ -357,9 +451,16 @@ class ElasticRayJob:
             for rank in self.ranks.values():
                 rank.kill()
             self.store.__exit__(None, None, None)
+            self._fn = self._queue = None
         self.last_result = result
-        if result.exit_code != 0:
-            raise self._failure(result)
+        try:
+            if result.exit_code != 0:
+                raise self._failure(result)
+            return self._values()
+        finally:
+            self.ranks = {}  # every actor of this run is gone; keep no handles
+
+    def _values(self) -> List[Any]:
         values = []
         for member in self.driver.members:
             rank = self.ranks[member.worker]
@@ -371,9 +472,14 @@ class ElasticRayJob:
         if result.interrupted:
             return HvdlikeError(f"RayExecutor: interrupted ({result.interrupted}); "
                                 "every rank was stopped")
+        unpicklable = [r for r in self.ranks.values() if r.unpicklable]
+        if unpicklable:
+            first = unpicklable[0]
+            return RankError(f"RayExecutor: rank {first.rank} (host {first.host}): "
+                             f"{first.outcome['message']}", first.rank, first.host)
         raised = [r for r in self.ranks.values()
                   if r.outcome is not None and not r.outcome.get("ok")]
-        text = f"RayExecutor: elastic job failed: {result.summary()}"
+        text = f"RayExecutor: elastic job failed: {checks.flag_names(result.summary())}"
         if raised:
             first = raised[0]
             return RankError(f"{text}\nrank {first.rank} (host {first.host}) traceback:\n"
@@ -383,7 +489,12 @@ class ElasticRayJob:
         return RankError(text, lost.rank if lost else -1, lost.host if lost else "?")
 
     def shutdown(self) -> None:
-        for rank in self.ranks.values():
-            rank.kill()
+        """Kill what actor remains; after ``ray.shutdown()`` only drop the handles
+        (calling Ray then would start a new local cluster)."""
+        import ray
+
+        if ray.is_initialized():
+            for rank in self.ranks.values():
+                rank.kill()
         self.ranks = {}
         self.discovery = None

@@ -24,7 +24,7 @@ Ray node ids. On shutdown it stops any runtime still up and closes the store.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Optional, Set, Union
 
 from ray.train.backend import Backend, BackendConfig
 
@@ -33,8 +33,9 @@ from hvdlike.core.config import KNOBS_BY_FIELD
 from hvdlike.core.mpi_bootstrap import topologies
 from hvdlike.launcher import env as rank_env
 from hvdlike.launcher.hosts import RankPlacement
-from hvdlike.launcher.rendezvous import StoreServer, interface_address, new_secret
+from hvdlike.launcher.rendezvous import StoreServer, new_secret
 
+from . import checks
 from .worker import Worker
 
 
@@ -45,10 +46,32 @@ class HvdlikeConfig(BackendConfig):
     Attributes:
         timeout_s: seconds ranks may take to meet and a collective may wait for a peer.
         nic: network interface for the store and Gloo (default: chosen per route).
+        nics: Ray's ``HorovodConfig`` spelling of ``nic``: a set of one interface.
+        placement_group_timeout_s: accepted (checked) as in Ray's ``HorovodConfig``;
+            Ray Train reserves the workers' resources itself.
+
+    Raises:
+        ValueError: (a ``ConfigError``) a value of the wrong type or range, or
+            ``nic`` and ``nics`` naming different interfaces.
     """
 
     timeout_s: float = 300.0
     nic: Optional[str] = None
+    nics: Optional[Union[Set[str], str]] = None
+    placement_group_timeout_s: float = 100.0
+
+    def __post_init__(self):
+        """Refuse bad values here, in the driver, not in Ray Train's controller later."""
+        where = "HvdlikeConfig"
+        self.timeout_s = checks.seconds(where, "timeout_s", self.timeout_s)
+        self.placement_group_timeout_s = checks.seconds(where, "placement_group_timeout_s",
+                                                        self.placement_group_timeout_s)
+        nic = checks.nic_list(where, self.nic, name="nic")
+        nics = checks.nic_list(where, self.nics)
+        if nic and nics and nic != nics:
+            raise checks.ConfigError(f"{where}: nic={self.nic!r} and nics={self.nics!r} "
+                                     "name different interfaces; give one")
+        self.nic = (nic or nics or [None])[0]
 
     @property
     def backend_cls(self):
@@ -74,14 +97,18 @@ def _shutdown():
 
 
 class _HvdlikeBackend(Backend):
+    # Ray Train then shows each worker all of its node's job GPUs (as Ray's Horovod
+    # backend does), so torch.cuda.set_device(hvd.local_rank()) works.
+    share_cuda_visible_devices: bool = True
+
     def on_start(self, worker_group, backend_config: HvdlikeConfig):
         import ray
 
         where = worker_group.execute(_where)
         placements = [RankPlacement(w["ip"], t)
                       for w, t in zip(where, topologies([w["node_id"] for w in where]))]
-        if backend_config.nic:
-            addr = interface_address(backend_config.nic)
+        if backend_config.nic:  # checked here: this process hosts the store
+            addr = checks.nic_address("HvdlikeConfig", backend_config.nic, name="nic")
         elif all(w["node_id"] == ray.get_runtime_context().get_node_id() for w in where):
             addr = "127.0.0.1"
         else:

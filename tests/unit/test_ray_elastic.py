@@ -40,5 +40,5 @@ def test_settings_start_with_every_slot_within_the_bounds():
     limited = ElasticParams(1, 2, reset_limit=3, cooldown_range=(1, 2), elastic_timeout=9)
     settings = limited.settings(2)
     assert (settings.reset_limit, settings.cooldown_range, settings.elastic_timeout) == (3, (1, 2), 9)
-    with pytest.raises(ValueError, match="RayExecutor: elastic_timeout 0 is not valid"):
+    with pytest.raises(ValueError, match="RayExecutor: elastic_timeout=0 is not valid"):
         ElasticParams(1, elastic_timeout=0).settings(1)

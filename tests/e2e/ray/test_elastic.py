@@ -215,7 +215,7 @@ def test_elastic_arguments_are_checked_before_anything_starts():
         RayExecutor(settings, max_workers=2)
     with pytest.raises(ValueError, match="not both"):
         RayExecutor(settings, num_workers=2, min_workers=2)
-    with pytest.raises(ValueError, match="reset_limit -1 is not valid"):
+    with pytest.raises(ValueError, match="reset_limit=-1 must be an integer >= 0"):
         RayExecutor(settings, min_workers=1, reset_limit=-1)
     with pytest.raises(ValueError, match="cooldown_range"):
         RayExecutor(settings, min_workers=1, cooldown_range=(5, 1))
