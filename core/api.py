@@ -340,7 +340,9 @@ def start_timeline(file_path: str, mark_cycles: bool = False,
 
     As in Horovod, rank 0 writes the file (other ranks do nothing); a path
     containing ``{rank}`` is formatted per rank and every rank writes its own.
-    A timeline already recording is closed first. See :mod:`hvdlike.core.timeline`.
+    A timeline already recording to another path is closed first; the path
+    being recorded goes on (only ``mark_cycles`` follows the new call). See
+    :mod:`hvdlike.core.timeline`.
 
     Args:
         file_path: the JSON file to write (truncated).

@@ -37,6 +37,8 @@ def _parse_bool(text: str) -> bool:
         return True
     if low in ("0", "false", "no", "off", ""):
         return False
+    if _INT_TEXT.fullmatch(low):  # Horovod reads its switches as numbers: > 0 is on
+        return int(low) > 0
     raise ValueError("a boolean (1/0, true/false, yes/no, on/off)")
 
 

@@ -130,13 +130,24 @@ class Timeline:
         self._emit({"name": name, "ph": "M", "pid": pid, "tid": 0, "ts": 0, "args": args})
 
     def _write_loop(self) -> None:
-        """The only writer of the file: events in order, then the closing bracket."""
+        """The only writer of the file: events in order, then the closing bracket.
+
+        Whenever the queue runs dry the closing bracket is written (and
+        flushed) after the last event, and overwritten by the next one: the
+        file is a complete JSON array between batches, so a rank killed by a
+        signal (or ended by ``MPI_Abort``, which skips exit handlers) leaves a
+        trace every tool can load, not only the lenient ones.
+        """
+        closed_at = None  # where the closing bracket on disk starts, if one is
         while True:
             event = self._queue.get()
             if event is None:
                 break
             if self.truncated:
                 continue  # drain the queue, write nothing more
+            if closed_at is not None:
+                self._file.seek(closed_at)
+                closed_at = None
             text = json.dumps(event, separators=(",", ":"))
             if self._written + len(text) + 2 + _RESERVE > self.max_bytes:
                 self.truncated = True
@@ -148,7 +159,14 @@ class Timeline:
             self._file.write(text)
             self._written += len(text)
             self._first = False
-        self._file.write("\n]\n")
+            if self._queue.empty():
+                closed_at = self._file.tell()
+                self._file.write(_CLOSING)
+                self._file.flush()
+        if closed_at is not None:
+            self._file.seek(closed_at)
+        self._file.write(_CLOSING)
+        self._file.truncate()
         self._file.close()
 
     def close(self) -> None:
@@ -275,6 +293,9 @@ class Timeline:
                        finished)
 
 
+_CLOSING = "\n]\n"
+
+
 def _reopen(path: str):
     """``path`` opened to continue its JSON array (closing bracket removed), or
     None when it is not a complete timeline file."""
@@ -340,6 +361,13 @@ class Recording:
         if max_bytes is None:
             max_bytes = self.default_max_bytes
         check_max_bytes(max_bytes, "start_timeline: max_bytes")
+        if self.request is not None and self.request[0] == file_path:
+            # The file being recorded (Horovod keeps writing it too): truncating
+            # it would lose what was recorded; only the cycle marks follow the call.
+            self.request = (file_path, bool(mark_cycles), self.request[2])
+            if self.timeline is not None:
+                self.timeline.mark_cycles = bool(mark_cycles)
+            return
         self.close()
         self.request = (file_path, bool(mark_cycles), max_bytes)
         path = _path_for(file_path, self.rank)

@@ -64,8 +64,17 @@ def test_hierarchical_knobs_are_auto_unless_forced_under_either_name():
                        "HVDLIKE_HIERARCHICAL_ALLGATHER": "off"})
     assert (cfg.hierarchical_allreduce, cfg.hierarchical_allgather) == (True, False)
     assert config.load({"HVDLIKE_HIERARCHICAL_ALLREDUCE": "auto"}).hierarchical_allreduce is None
-    with pytest.raises(ConfigError, match="HVDLIKE_HIERARCHICAL_ALLGATHER='2'.*auto or a boolean"):
-        config.load({"HVDLIKE_HIERARCHICAL_ALLGATHER": "2"})
+    with pytest.raises(ConfigError, match="HVDLIKE_HIERARCHICAL_ALLGATHER='2x'.*auto or a boolean"):
+        config.load({"HVDLIKE_HIERARCHICAL_ALLGATHER": "2x"})
+
+
+def test_switches_read_numbers_as_horovod_does():
+    # Horovod turns a switch on for any number above 0 (HOROVOD_TIMELINE_MARK_CYCLES=2).
+    assert config.load({"HOROVOD_TIMELINE_MARK_CYCLES": "2"}).timeline_mark_cycles is True
+    assert config.load({"HOROVOD_HIERARCHICAL_ALLREDUCE": "3"}).hierarchical_allreduce is True
+    assert config.load({"HVDLIKE_AUTOTUNE": "-1"}).autotune is False
+    with pytest.raises(ConfigError, match="HVDLIKE_AUTOTUNE='1.5'"):
+        config.load({"HVDLIKE_AUTOTUNE": "1.5"})
 
 
 def test_hierarchical_choice():

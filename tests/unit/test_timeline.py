@@ -272,3 +272,59 @@ def test_a_timeline_path_that_is_a_planted_symbolic_link_is_refused(tmp_path):
     with pytest.raises(OSError, match="is a FIFO, not a regular file"):
         Timeline(str(fifo))  # and does not block
     assert victim.read_text() == "precious\n"
+
+
+def test_the_file_is_complete_json_between_batches_not_only_after_close(tmp_path):
+    # A rank killed by a signal, or ended by MPI_Abort, never closes its timeline:
+    # what it recorded must still load as JSON (strict tools refuse an open array).
+    import json
+
+    path = tmp_path / "t.json"
+    tl = Timeline(str(path))
+    tl.start()
+    seen = []
+    for i in range(3):
+        items = [_work(f"batch{i}")]
+        tl.negotiated(_state(), _result(items))
+        tl.wrap(items, time.monotonic(), lambda: None)()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                events = json.loads(path.read_text())
+            except ValueError:
+                time.sleep(0.01)  # the writer is between an event and the bracket
+                continue
+            if f"batch{i}" in set(chrome_trace.rows(events)):
+                break
+            time.sleep(0.01)
+        else:
+            raise AssertionError(f"batch {i} never showed in a complete file: "
+                                 f"{path.read_text()[-300:]!r}")
+        seen.append(len(events))
+    tl.close()
+    final = json.loads(path.read_text())
+    assert seen == sorted(seen) and len(final) >= seen[-1]
+    assert path.read_text().endswith("}\n]\n")
+
+
+def test_starting_the_timeline_being_recorded_again_keeps_what_it_holds(tmp_path):
+    from hvdlike.core.timeline import Recording
+
+    path = str(tmp_path / "t.json")
+    recording = Recording(rank=0)
+    recording.open(path)
+    recording.start()
+    first = recording.timeline
+    items = [_work("before")]
+    first.negotiated(_state(), _result(items))
+    first.wrap(items, time.monotonic(), lambda: None)()
+    recording.open(path, mark_cycles=True)  # Horovod: the same file goes on
+    assert recording.timeline is first and first.mark_cycles
+    items = [_work("after")]
+    first.negotiated(_state(), _result(items))
+    first.wrap(items, time.monotonic(), lambda: None)()
+    recording.close()
+    assert {"before", "after"} <= set(chrome_trace.rows(chrome_trace.load(tmp_path / "t.json")))
+    recording.open(str(tmp_path / "other.json"))  # another path: a new file
+    assert recording.timeline is not first
+    recording.close()
