@@ -52,6 +52,32 @@ def _reraise(caught: BaseException, exc: BaseException):
     raise exc.with_traceback(exc.__traceback__) from None
 
 
+_WARNED_RESTARTS = []
+
+
+def _warn_under_restarting_agent(is_elastic: Callable[[], bool]) -> None:
+    """Once per process: say that torchrun's restarts do not resume from a commit.
+
+    ``torchrun --max-restarts N`` answers a failure by starting every worker
+    again from the top of its script; ``state.commit()`` lives in the workers'
+    memory, so the new workers start from what the script loads, not from the
+    last commit. Users who moved from ``hvdlike-run --min-np`` may expect more.
+    """
+    import os
+
+    if _WARNED_RESTARTS or is_elastic():
+        return
+    restarts = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0").strip()
+    if not restarts.isdigit() or int(restarts) == 0:
+        return
+    _WARNED_RESTARTS.append(True)
+    logger.warning(
+        "hvd.elastic.run under torchrun --max-restarts: a failure restarts every worker from "
+        "the start of its script, so commits (state.commit()) do not carry over; save a "
+        "checkpoint and load it at start to resume, or launch with hvdlike-run --min-np to "
+        "re-form in place from the last commit")
+
+
 def run_fn(func: Callable, reset: Callable[[], None],
            is_elastic: Optional[Callable[[], bool]] = None) -> Callable:
     """Wrap ``func(state, *args, **kwargs)`` in the elastic retry loop.
@@ -76,6 +102,7 @@ def run_fn(func: Callable, reset: Callable[[], None],
                 f"hvd.elastic.run: the first argument of {name}() must be the elastic state "
                 f"(hvd.elastic.TorchState, ObjectState ...), got {type(state).__name__} (it has no "
                 f"{', '.join(missing)})")
+        _warn_under_restarting_agent(is_elastic)
         skip_sync = False
         reformed = False
         while True:

@@ -326,3 +326,31 @@ def test_sampler_after_shrink_deals_only_unprocessed_indices(monkeypatch):
     assert set(rest) == set(range(20)) - processed and len(rest) == 4
     after[0].set_epoch(1)
     assert after[0].processed_indices == set() and len(after[0]) == 10
+
+
+def test_elastic_run_under_a_restarting_torchrun_says_commits_do_not_carry_over(
+        caplog, monkeypatch):
+    from hvdlike.core.elastic import loop
+    from hvdlike.core.log import logger
+
+    class _State:
+        def sync(self):
+            pass
+
+        restore = on_reset = sync
+
+    logger.addHandler(caplog.handler)
+    monkeypatch.setattr(logger, "propagate", False)  # one copy of each record in caplog
+    monkeypatch.setattr(loop, "_WARNED_RESTARTS", [])
+    try:
+        monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")
+        assert loop.run_fn(lambda s: 1, lambda: None, lambda: False)(_State()) == 1
+        assert "torchrun" not in caplog.text  # no restarts: nothing to say
+        monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+        assert loop.run_fn(lambda s: 2, lambda: None, lambda: True)(_State()) == 2
+        assert "torchrun" not in caplog.text  # a re-forming job keeps its commits
+        for _ in range(2):
+            assert loop.run_fn(lambda s: 3, lambda: None, lambda: False)(_State()) == 3
+        assert caplog.text.count("commits (state.commit()) do not carry over") == 1
+    finally:
+        logger.removeHandler(caplog.handler)
