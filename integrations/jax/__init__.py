@@ -29,7 +29,7 @@ and ``hvd.elastic.run`` sees through the JAX error on its own.
 
 from hvdlike.core.api import (
     cross_rank, cross_size, init, is_homogeneous, is_initialized, local_rank, local_size, rank,
-    shutdown, size,
+    shutdown, size, start_timeline, stop_timeline,
 )
 from hvdlike.core.errors import HorovodInternalError, HvdlikeInternalError, MismatchError
 from hvdlike.core.messages import ReduceOp
@@ -73,5 +73,5 @@ __all__ = [
     "grouped_allreduce_async", "grouped_reducescatter", "grouped_reducescatter_async", "init",
     "is_homogeneous", "is_initialized", "jit", "join", "local_rank", "local_size",
     "original_error", "original_errors", "poll", "rank", "reducescatter",
-    "reducescatter_async", "remove_process_set", "shutdown", "size", "synchronize",
+    "reducescatter_async", "remove_process_set", "shutdown", "size", "synchronize", "start_timeline", "stop_timeline",
 ]

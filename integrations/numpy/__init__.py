@@ -15,11 +15,13 @@ forms. Knobs, errors and process sets are those of every other front end.
 
 from hvdlike.core.api import (
     cross_rank, cross_size, init, is_homogeneous, is_initialized, local_rank, local_size, rank,
-    shutdown, size,
+    shutdown, size, start_timeline, stop_timeline,
 )
 from hvdlike.core.errors import HorovodInternalError, HvdlikeInternalError, MismatchError
 from hvdlike.core.messages import ReduceOp
-from hvdlike.core.process_sets import ProcessSet, global_process_set
+from hvdlike.core.process_sets import (
+    ProcessSet, add_process_set, global_process_set, remove_process_set,
+)
 from hvdlike.frontend import ArrayOps, barrier, join, poll, synchronize
 from hvdlike.frontend.objects import allgather_object, broadcast_object
 
@@ -59,7 +61,7 @@ grouped_reducescatter_async = _ops.grouped_reducescatter_async
 
 __all__ = [
     "Average", "HorovodInternalError", "HvdlikeInternalError", "Max", "Min", "MismatchError",
-    "ProcessSet", "Product", "Sum", "allgather", "allgather_async", "allgather_object",
+    "ProcessSet", "Product", "Sum", "add_process_set", "allgather", "allgather_async", "allgather_object",
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "alltoall",
     "alltoall_async", "barrier", "broadcast", "broadcast_", "broadcast_async",
     "broadcast_async_", "broadcast_object", "cross_rank", "cross_size", "global_process_set",
@@ -67,5 +69,5 @@ __all__ = [
     "grouped_allreduce_async", "grouped_allreduce_async_", "grouped_reducescatter",
     "grouped_reducescatter_async", "init", "is_homogeneous", "is_initialized", "join",
     "local_rank", "local_size", "poll", "rank", "reducescatter", "reducescatter_async",
-    "shutdown", "size", "synchronize",
+    "remove_process_set", "shutdown", "size", "start_timeline", "stop_timeline", "synchronize",
 ]

@@ -132,3 +132,15 @@ def test_jax_arrays_cross_through_dlpack_without_copy():
     assert back.dtype == jnp.float32 and back.tolist() == [[0, 2, 4], [6, 8, 10]]
     with pytest.raises(TypeError, match="hvdlike.jax.allgather expects a jax.Array"):
         adapter.to_torch("text", "allgather")
+
+
+@pytest.mark.parametrize("frontend", ["hvdlike.numpy", "hvdlike.jax"])
+def test_every_front_end_manages_process_sets_and_timelines(frontend):
+    import importlib
+
+    import hvdlike.torch as hvd_torch
+
+    module = importlib.import_module(frontend)
+    for name in ("add_process_set", "remove_process_set", "start_timeline", "stop_timeline"):
+        assert getattr(module, name) is getattr(hvd_torch, name), name
+        assert name in module.__all__
