@@ -166,6 +166,7 @@ class _DistributedAdasum(_Distributed):
 
     def step(self, closure=None):
         """Finish this round: local steps still due, Adasum of every change, apply it."""
+        self._hvd_tell_scheduler()
         if not self._hvd_included:  # outside the process set: the local step alone
             return self._hvd_base_step(self, closure)
         loss = None

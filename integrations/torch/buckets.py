@@ -78,6 +78,13 @@ class Bucket:
         for p in members:
             self.views.append(self.flat[offset:offset + p.numel()].view(p.shape))
             offset += p.numel()
+        # Where each view's data starts: a view handed out as ``.grad`` can be
+        # re-pointed elsewhere (``module.double()`` or ``.to(memory_format=...)``
+        # assigns ``param.grad.data``), keeping its identity but leaving the bucket.
+        self._starts = [view.data_ptr() for view in self.views]
+        # Set when a member's gradient no longer fits the bucket (left its view,
+        # or has another dtype or device): the optimizer plans the buckets again.
+        self.stale = False
         self.size = len(members)
         self.as_views = as_views
         # Set by the optimizer: True while one backward pass makes a step, so
@@ -111,22 +118,36 @@ class Bucket:
         """
         self.release()
         destinations, sources = [], []
-        for p, view in zip(self.members, self.views):
+        flat = self.flat
+        starts = self._starts
+        for i, (p, view) in enumerate(zip(self.members, self.views)):
             grad = p.grad
-            if grad is view:
+            if view.data_ptr() != starts[i]:
+                view = self._leave(i)  # re-pointed: its values, if any, are in ``grad``
+            elif grad is view:
                 if p.requires_grad:
                     continue  # accumulated straight into the bucket
                 # Frozen since: it contributes zeros and keeps its own gradient.
                 p.grad = view.clone()
                 grad = None
-            elif grad is not None and (grad.is_sparse or not p.requires_grad):
+            if grad is not None and (grad.is_sparse or not p.requires_grad):
                 grad = sparse(p) if p.requires_grad else None
             if grad is None:
                 view.zero_()
             else:
+                if grad.dtype != flat.dtype or grad.device != flat.device:
+                    self.stale = True  # carried converted this once; re-planned after
                 destinations.append(view)
                 sources.append(grad)
         _copy_all(destinations, sources)
+
+    def _leave(self, slot: int) -> torch.Tensor:
+        """Member ``slot``'s handed-out view was re-pointed: a fresh one, returned."""
+        start = (self._starts[slot] - self._starts[0]) // self.flat.element_size()
+        numel = self.members[slot].numel()
+        view = self.views[slot] = self.flat[start:start + numel].view(self.members[slot].shape)
+        self.stale = True
+        return view
 
     def release(self) -> None:
         """Drop the gradients the last :meth:`unpack` replaced (see the module doc)."""
@@ -136,6 +157,7 @@ class Bucket:
         """Hand the reduced values to each trainable member's ``.grad``."""
         retired = self.retired = []
         destinations, sources = [], []
+        flat = self.flat
         for p, view, viewable in zip(self.members, self.views, self._viewable):
             if not p.requires_grad:
                 continue  # frozen since construction: its gradient is left alone
@@ -144,7 +166,7 @@ class Bucket:
                 continue
             if grad is not None and grad.is_sparse:
                 continue  # reduced by its own sparse handle
-            if viewable:
+            if viewable and p.dtype == flat.dtype and p.device == flat.device:
                 if grad is not None:
                     retired.append(grad)
                 p.grad = view

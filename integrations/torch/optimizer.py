@@ -350,8 +350,14 @@ class _Distributed:
             self._hvd_defer = not _overlaps_cpu()  # for the next round
             # No core is idle: this thread, which waits for them anyway, runs the
             # reductions held back to now (Runtime.cycles_here).
-            with _core_api.runtime().cycles_here() if deferred else contextlib.nullcontext():
-                self._hvd_finish(deferred)
+            try:
+                with _core_api.runtime().cycles_here() if deferred else contextlib.nullcontext():
+                    self._hvd_finish(deferred)
+            except BaseException:
+                # A failed round (a lost peer, a runtime shut down) must not leave
+                # marks that make the next zero_grad() or backward() refuse to run.
+                self._hvd_abandon_round()
+                raise
         # Only once it succeeded: after a failure (an elastic reset) the next
         # step() must synchronize without warning.
         self._hvd_synchronized = True
@@ -378,6 +384,10 @@ class _Distributed:
         self._hvd_passes = {}
         self._hvd_group_ready = {}
         self._hvd_round_open = False
+        self._hvd_complete(handles)
+
+    def _hvd_complete(self, handles: dict) -> None:
+        """Wait for this round's reductions and hand the results to the gradients."""
         for kind, handle, payload, extra in handles.values():
             if kind == "sparse":
                 payload.grad = ops.synchronize(handle)  # payload: the parameter
@@ -401,6 +411,26 @@ class _Distributed:
         for p in resparse.values():
             if p.grad is not None and not p.grad.is_sparse:
                 p.grad = p.grad.to_sparse()
+        if any(bucket.stale for bucket in self._hvd_buckets):
+            self._hvd_rebuild_buckets()
+
+    def _hvd_rebuild_buckets(self) -> None:
+        """Plan the buckets again after the model changed under them.
+
+        ``module.double()``, ``.half()`` or ``.to(memory_format=...)`` after
+        wrapping give the parameters another dtype or layout and move the
+        gradients out of their bucket views (see ``Bucket.stale``); that round
+        was reduced through copies, the next ones use buckets of the new kind.
+        Every rank converting alike re-plans alike.
+        """
+        old, self._hvd_buckets = self._hvd_buckets, []
+        as_views = old[0].as_views if old else True
+        self._hvd_bucket_of = {}
+        for bucket in old:
+            for p in bucket.members:
+                if id(p) in self._hvd_hooks:
+                    self._hvd_hooks[id(p)] = _take_over(p, self, None)
+        self._hvd_build_buckets(as_views)
 
     def _hvd_reset_buckets(self) -> None:
         for bucket in self._hvd_buckets:
@@ -429,8 +459,20 @@ class _Distributed:
 
     # -- optimizer interface ---------------------------------------------------
 
+    def _hvd_tell_scheduler(self) -> None:
+        """Mark a step on the wrapped optimizer for a scheduler built on it.
+
+        A learning-rate scheduler made before wrapping watches the optimizer it
+        was given (its order check reads that object's ``_opt_called``); the
+        steps now go through this wrapper instead.
+        """
+        origin = self.__dict__.get("_hvd_origin")
+        if origin is not None:
+            origin._opt_called = True
+
     def step(self, closure=None):
         """Synchronize gradients (unless inside ``skip_synchronize``), then step."""
+        self._hvd_tell_scheduler()
         if self._hvd_should_sync:
             if self._hvd_synchronized:
                 warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
@@ -499,6 +541,10 @@ class _Distributed:
 
 
 _CLASSES: Dict[type, type] = {}
+
+
+class _NamedParametersError(TypeError, ValueError):
+    """Malformed ``named_parameters``: a type error, and Horovod's ValueError too."""
 
 
 def _overlaps_cpu() -> bool:
@@ -611,8 +657,9 @@ def _check_named_parameters(named_parameters, param_groups) -> Dict[torch.Tensor
     for i, item in enumerate(items):
         if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
                 and isinstance(item[1], torch.Tensor)):
-            raise TypeError("DistributedOptimizer: named_parameters must be (name, parameter) "
-                            f"pairs such as model.named_parameters(); item {i} is {item!r:.80}")
+            raise _NamedParametersError(
+                "DistributedOptimizer: named_parameters must be (name, parameter) pairs such as "
+                f"model.named_parameters(); item {i} is {item!r:.80}")
         name, p = item
         seen[name] = seen.get(name, 0) + 1
         names.setdefault(p, name)
@@ -727,7 +774,15 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     wrapped = cls.__new__(cls)
     # Share the wrapped optimizer's attributes (state, param_groups, defaults,
     # hooks) rather than re-running its __init__, whose arguments we do not know.
-    wrapped.__dict__.update(optimizer.__dict__)
+    # Not the instance attributes that stand in for a method: a learning-rate
+    # scheduler built first replaces ``optimizer.step`` by a wrapper around the
+    # original's bound step, which, copied, would step past the reduction.
+    shadowing = {key for key in optimizer.__dict__
+                 if callable(getattr(type(optimizer), key, None))}
+    wrapped.__dict__.update({key: value for key, value in optimizer.__dict__.items()
+                             if key not in shadowing})
+    if "step" in shadowing:
+        wrapped.__dict__["_hvd_origin"] = optimizer
     wrapped._hvd_setup(named_parameters, compression, backward_passes_per_step, op,
                        gradient_predivide_factor, num_groups, groups, sparse_as_dense,
                        process_set, gradient_as_bucket_view)

@@ -30,3 +30,40 @@ def test_a_rank_stepping_without_backward_is_reported_by_the_stall_inspector():
     # rank 0 learns which gradients rank 1 never sent (one bucket: bias and weight)
     assert "'allreduce.DistributedOptimizer.bucket.0.bias..weight': waited" in outputs[0]
     assert "missing rank(s) 1" in outputs[0]
+
+
+def _step_fails_then_training_goes_on():
+    import torch
+
+    import hvdlike.torch as hvd
+
+    hvd.init()
+    torch.manual_seed(1)
+    model = torch.nn.Linear(4, 1)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(10 + hvd.rank()))
+    opt.zero_grad()
+    model(x).sum().backward()
+    opt.step()
+    hvd.shutdown()
+    opt.zero_grad()
+    model(x).sum().backward()
+    try:
+        opt.step()  # the runtime is gone: the step fails
+        failed = None
+    except Exception as exc:  # noqa: BLE001 - recorded for the parent
+        failed = type(exc).__name__
+    hvd.init()
+    opt.zero_grad()  # used to refuse: "gradients are still being reduced"
+    model(x).sum().backward()
+    opt.step()
+    weights = hvd.allgather(model.weight.detach().reshape(1, -1))
+    hvd.shutdown()
+    return failed, bool(torch.equal(weights[0], weights[1]))
+
+
+def test_a_failed_step_leaves_the_optimizer_ready_for_the_next_round():
+    for failed, identical in run_ranks(_step_fails_then_training_goes_on, np=2, timeout=90):
+        assert failed == "NotInitializedError"
+        assert identical

@@ -37,19 +37,27 @@ def _scenarios():
         return (torch.randn(STEPS, per_step, 4, generator=g),
                 torch.randn(STEPS, per_step, 2, generator=g))
 
-    def oracle(make_opt, compression=hvd.Compression.none, clip=None, sched=False, name=""):
+    def oracle(make_opt, compression=hvd.Compression.none, clip=None, sched=False, name="",
+               sched_first=False, convert_at=None):
+        # sched_first: the scheduler is built on the optimizer before it is wrapped;
+        # convert_at: the model becomes float64 (module.double()) before that step.
         X, Y = data(n * B)
         results = []
         for distributed in (True, False):
             model = mlp()
             opt = make_opt(model.parameters())
+            lr_sched = torch.optim.lr_scheduler.StepLR(opt, 3, 0.5) if sched_first else None
             if distributed:
                 opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                                compression=compression)
-            lr_sched = torch.optim.lr_scheduler.StepLR(opt, 3, 0.5) if sched else None
+            if sched and not sched_first:
+                lr_sched = torch.optim.lr_scheduler.StepLR(opt, 3, 0.5)
             for t in range(STEPS):
+                if t == convert_at:
+                    model.double()
                 x, y = (X[t, r * B:(r + 1) * B], Y[t, r * B:(r + 1) * B]) if distributed \
                     else (X[t], Y[t])
+                x, y = x.to(next(model.parameters()).dtype), y.to(next(model.parameters()).dtype)
                 opt.zero_grad()
                 F.mse_loss(model(x), y).backward()
                 if clip is not None:
@@ -65,7 +73,7 @@ def _scenarios():
                     opt.step()
                 if lr_sched is not None:
                     lr_sched.step()
-            results.append(flat(model))
+            results.append(flat(model).double())
             if distributed:
                 out[f"{name}.class"] = (type(opt).__name__, isinstance(opt, type(make_opt(
                     mlp().parameters()))))
@@ -78,7 +86,7 @@ def _scenarios():
             opt.zero_grad()
             F.mse_loss(model(X[t, r * B:(r + 1) * B]), Y[t, r * B:(r + 1) * B]).backward()
             opt.step()
-        out[f"{name}.local_diff"] = float((flat(model) - ref_p).abs().max())
+        out[f"{name}.local_diff"] = float((flat(model).double() - ref_p).abs().max())
         out[f"{name}.diff"] = float((dist_p - ref_p).abs().max())
         out[f"{name}.params"] = dist_p
 
@@ -87,6 +95,9 @@ def _scenarios():
     oracle(lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), hvd.Compression.fp16,
            name="fp16")
     oracle(lambda ps: torch.optim.SGD(ps, lr=0.5), clip=0.05, name="clip")
+    oracle(lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), sched=True, sched_first=True,
+           name="sched_first")
+    oracle(lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), convert_at=3, name="double")
 
     # backward_passes_per_step=k: k local passes of B rows == one batch of n*k*B rows.
     k = 3
@@ -375,7 +386,10 @@ def test_reductions_start_during_backward_or_at_step_as_configured(results):
             assert other == 0, out["reduced_by"]
 
 
-@pytest.mark.parametrize("name", ["sgd", "adam"])
+# sched_first: a scheduler built before wrapping used to replace step() on the
+# wrapped optimizer too (the ranks trained apart); double: the model converted
+# after the first steps used to leave its gradients out of their buckets.
+@pytest.mark.parametrize("name", ["sgd", "adam", "sched_first", "double"])
 def test_matches_one_process_on_the_whole_batch(results, name):
     for out in results:
         assert out[f"{name}.diff"] < 1e-5, out[f"{name}.diff"]
@@ -387,6 +401,7 @@ def test_result_is_an_instance_of_the_wrapped_class_and_schedulers_work(results)
     assert results[0]["sgd.class"] == ("SGD", True)
     assert results[0]["adam.class"] == ("Adam", True)
     assert results[0]["sgd.lr"] == pytest.approx(0.1 * 0.5 ** 3)
+    assert results[0]["sched_first.lr"] == pytest.approx(0.1 * 0.5 ** 3)
 
 
 def test_backward_passes_per_step_equals_one_big_batch(results):

@@ -243,3 +243,11 @@ def test_a_bool_op_is_refused_rather_than_read_as_a_reduction(call):
     # silently sum where the caller meant to choose averaging.
     with pytest.raises(TypeError, match="op must be a reduction op"):
         call()
+
+
+def test_malformed_named_parameters_are_a_value_error_as_in_horovod_and_a_type_error():
+    model = torch.nn.Linear(2, 1)
+    for kind in (ValueError, TypeError):
+        with pytest.raises(kind, match="named_parameters must be"):
+            hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                     named_parameters=list(model.parameters()))
