@@ -17,6 +17,7 @@ import numpy as np
 
 from hvdlike.core.messages import ReduceOp
 from hvdlike.core.process_sets import global_process_set
+from hvdlike.frontend.compression import Compressor, NoneCompressor  # noqa: F401 - re-exported
 from hvdlike.frontend.objects import allgather_object
 from hvdlike.frontend.submit import name_for
 
@@ -50,34 +51,7 @@ def frontend_for(value: Any = None):
 
 
 # -- compression ------------------------------------------------------------------------
-
-
-class Compressor:
-    """Interface: ``compress(tensor) -> (tensor, ctx)``, ``decompress(tensor, ctx) -> tensor``.
-
-    Subclass it (or pass any object with these two static methods) as
-    ``compression=`` to :func:`allreduce` or ``DistributedOptimizer``.
-    """
-
-    @staticmethod
-    def compress(tensor):
-        raise NotImplementedError
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        raise NotImplementedError
-
-
-class NoneCompressor(Compressor):
-    """Send tensors as they are."""
-
-    @staticmethod
-    def compress(tensor):
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        return tensor
+# Compressor and NoneCompressor are the shared ones (hvdlike.frontend.compression).
 
 
 class _CastCompressor(Compressor):

@@ -157,7 +157,36 @@ def _read_lr(optimizer) -> float:
     return float(keras.ops.convert_to_numpy(optimizer.learning_rate))
 
 
-class LearningRateWarmupCallback(keras.callbacks.Callback):
+class _RateCallback(keras.callbacks.Callback):
+    """What the learning-rate callbacks share: setting the rate with Horovod's
+    momentum correction, undoing the correction after the batch, logging the rate."""
+
+    momentum_correction = True
+    _restore_momentum = None
+
+    def _set_learning_rate(self, new_lr: float, only_on_change: bool = False) -> None:
+        optimizer = self.model.optimizer
+        _sync_jax_state(self.model)
+        old_lr = _read_lr(optimizer)
+        optimizer.learning_rate = new_lr
+        momentum = getattr(optimizer, "momentum", None)
+        if (self.momentum_correction and isinstance(momentum, float) and momentum
+                and old_lr > 0 and not (only_on_change and new_lr == old_lr)):
+            self._restore_momentum = momentum
+            optimizer.momentum = momentum * new_lr / old_lr
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self._restore_momentum is not None:
+            self.model.optimizer.momentum = self._restore_momentum
+            self._restore_momentum = None
+
+    def _log_rate(self, logs) -> None:
+        if logs is not None:
+            _sync_jax_state(self.model)
+            logs["learning_rate"] = _read_lr(self.model.optimizer)
+
+
+class LearningRateWarmupCallback(_RateCallback):
     """Linear learning-rate warmup from ``initial_lr / size`` to ``initial_lr``.
 
     During the first ``warmup_epochs`` epochs, at the start of every batch,
@@ -214,33 +243,16 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
         if self.current_epoch + float(batch) / self._steps() >= self.warmup_epochs:
             return
         epoch = self.current_epoch + float(batch + 1) / self._steps()
-        optimizer = self.model.optimizer
-        _sync_jax_state(self.model)
-        old_lr = float(keras.ops.convert_to_numpy(optimizer.learning_rate))
-        new_lr = self.initial_lr * self.multiplier(epoch)
-        optimizer.learning_rate = new_lr
-        momentum = getattr(optimizer, "momentum", None)
-        if (self.momentum_correction and isinstance(momentum, float) and momentum
-                and old_lr > 0 and new_lr != old_lr):
-            self._restore_momentum = momentum
-            optimizer.momentum = momentum * new_lr / old_lr
-
-    def on_train_batch_end(self, batch, logs=None):
-        if self._restore_momentum is not None:
-            self.model.optimizer.momentum = self._restore_momentum
-            self._restore_momentum = None
+        self._set_learning_rate(self.initial_lr * self.multiplier(epoch), only_on_change=True)
 
     def on_epoch_end(self, epoch, logs=None):
-        if logs is not None:
-            _sync_jax_state(self.model)
-            logs["learning_rate"] = float(
-                keras.ops.convert_to_numpy(self.model.optimizer.learning_rate))
+        self._log_rate(logs)
         if epoch + 1 == self.warmup_epochs and self.verbose and api.rank() == 0:
             print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to "
                   f"{self.initial_lr:g}.")
 
 
-class LearningRateScheduleCallback(keras.callbacks.Callback):
+class LearningRateScheduleCallback(_RateCallback):
     """Set the learning rate to ``initial_lr * multiplier(epoch)`` from ``start_epoch`` on.
 
     ``multiplier`` is a number ``m`` (meaning ``m ** (epoch - start_epoch)``,
@@ -311,26 +323,10 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
             self._set_rate(self.current_epoch + float(batch) / self.steps_per_epoch)
 
     def _set_rate(self, epoch) -> None:
-        optimizer = self.model.optimizer
-        _sync_jax_state(self.model)
-        old_lr = _read_lr(optimizer)
-        new_lr = self.initial_lr * self.multiplier(epoch)
-        optimizer.learning_rate = new_lr
-        momentum = getattr(optimizer, "momentum", None)
-        if (self.momentum_correction and isinstance(momentum, float) and momentum
-                and old_lr > 0):
-            self._restore_momentum = momentum
-            optimizer.momentum = momentum * new_lr / old_lr
-
-    def on_train_batch_end(self, batch, logs=None):
-        if self._restore_momentum is not None:
-            self.model.optimizer.momentum = self._restore_momentum
-            self._restore_momentum = None
+        self._set_learning_rate(self.initial_lr * self.multiplier(epoch))
 
     def on_epoch_end(self, epoch, logs=None):
-        if logs is not None:
-            _sync_jax_state(self.model)
-            logs["learning_rate"] = _read_lr(self.model.optimizer)
+        self._log_rate(logs)
 
 
 def _as_function(multiplier, start_epoch, owner: str):

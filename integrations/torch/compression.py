@@ -10,29 +10,9 @@ from __future__ import annotations
 
 import torch
 
+from hvdlike.frontend.compression import Compressor, NoneCompressor
 
-class Compressor:
-    """Interface: shrink a tensor before communication and restore it after."""
-
-    @staticmethod
-    def compress(tensor):
-        raise NotImplementedError
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        raise NotImplementedError
-
-
-class NoneCompressor(Compressor):
-    """Send tensors as they are."""
-
-    @staticmethod
-    def compress(tensor):
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        return tensor
+__all__ = ["BF16Compressor", "Compression", "Compressor", "FP16Compressor", "NoneCompressor"]
 
 
 class _CastCompressor(Compressor):
