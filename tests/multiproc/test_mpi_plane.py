@@ -230,10 +230,11 @@ def test_a_failing_rank_ends_the_mpirun_job_without_a_hang():
     assert "rank one gives up" in output
 
 
-def test_an_uncaught_exception_in_a_plain_script_ends_the_mpirun_job(tmp_path):
-    # The harness's worker catches a rank's exception and exits; a plain script
-    # does not: its rank used to block in MPI_Finalize at exit, waiting for a
-    # peer that waited in a collective for it -- the job hung forever.
+def _plain_mpirun(tmp_path, lines, timeout, extra_env=()):
+    """Run ``lines`` as a plain script under ``mpirun -np 2``; its exit code and output.
+
+    Fails the test when mpirun does not finish in ``timeout`` seconds (a hang).
+    """
     import os
     import subprocess
     import sys
@@ -241,30 +242,38 @@ def test_an_uncaught_exception_in_a_plain_script_ends_the_mpirun_job(tmp_path):
     from .harness import ROOT, _kill_all
 
     script = tmp_path / "job.py"
-    script.write_text(
-        "import torch\n"
-        "torch.set_num_threads(1)\n"
-        "import hvdlike.torch as hvd\n"
-        "hvd.init()\n"
-        "hvd.allreduce(torch.ones(2), name='before')\n"
-        "if hvd.rank() == 1:\n"
-        "    raise RuntimeError('rank one gives up')\n"
-        "hvd.allreduce(torch.ones(2), name='after')\n"
-        "hvd.shutdown()\n")
+    script.write_text("".join(line + "\n" for line in lines))
     env = {k: v for k, v in os.environ.items() if not k.startswith("HVDLIKE_")}
     env.update({"PYTHONPATH": ROOT + os.pathsep + env.get("PYTHONPATH", ""),
-                "OMP_NUM_THREADS": "1", "HVDLIKE_GLOO_TIMEOUT_SECONDS": "300"})
+                "OMP_NUM_THREADS": "1", "HVDLIKE_GLOO_TIMEOUT_SECONDS": "300", **dict(extra_env)})
     proc = subprocess.Popen([shutil.which("mpirun"), "-np", "2", sys.executable, str(script)],
                             cwd=str(tmp_path), env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        output, _ = proc.communicate(timeout=90)
+        output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         _kill_all([proc])
         pytest.fail("mpirun did not finish: the job hung")
     finally:
         _kill_all([proc])
-    assert proc.returncode != 0, output
+    return proc.returncode, output
+
+
+def test_an_uncaught_exception_in_a_plain_script_ends_the_mpirun_job(tmp_path):
+    # The harness's worker catches a rank's exception and exits; a plain script
+    # does not: its rank used to block in MPI_Finalize at exit, waiting for a
+    # peer that waited in a collective for it -- the job hung forever.
+    code, output = _plain_mpirun(tmp_path, [
+        "import torch",
+        "torch.set_num_threads(1)",
+        "import hvdlike.torch as hvd",
+        "hvd.init()",
+        "hvd.allreduce(torch.ones(2), name='before')",
+        "if hvd.rank() == 1:",
+        "    raise RuntimeError('rank one gives up')",
+        "hvd.allreduce(torch.ones(2), name='after')",
+        "hvd.shutdown()"], timeout=90)
+    assert code != 0, output
     assert "RuntimeError: rank one gives up" in output, output[-3000:]
 
 
@@ -272,38 +281,17 @@ def test_a_rank_whose_init_fails_ends_the_mpirun_job(tmp_path):
     # Rank 1's init() raises (a bad knob on its host) while rank 0's init()
     # completes and its first collective waits for rank 1: rank 1 used to block
     # in MPI_Finalize at exit, and the job hung until killed.
-    import os
-    import subprocess
-    import sys
-
-    from .harness import ROOT, _kill_all
-
-    script = tmp_path / "job.py"
-    script.write_text(
-        "import os\n"
-        "import torch\n"
-        "torch.set_num_threads(1)\n"
-        "import hvdlike.torch as hvd\n"
-        "if os.environ.get('PMI_RANK') == '1':\n"
-        "    os.environ['HVDLIKE_FUSION_THRESHOLD'] = 'lots'\n"
-        "hvd.init()\n"
-        "hvd.allreduce(torch.ones(2), name='first')\n"
-        "hvd.shutdown()\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HVDLIKE_")}
-    env.update({"PYTHONPATH": ROOT + os.pathsep + env.get("PYTHONPATH", ""),
-                "OMP_NUM_THREADS": "1", "HVDLIKE_GLOO_TIMEOUT_SECONDS": "300",
-                "HVDLIKE_STALL_CHECK_TIME_SECONDS": "300"})
-    proc = subprocess.Popen([shutil.which("mpirun"), "-np", "2", sys.executable, str(script)],
-                            cwd=str(tmp_path), env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=60)
-    except subprocess.TimeoutExpired:
-        _kill_all([proc])
-        pytest.fail("mpirun did not finish: the job hung")
-    finally:
-        _kill_all([proc])
-    assert proc.returncode != 0, output
+    code, output = _plain_mpirun(tmp_path, [
+        "import os",
+        "import torch",
+        "torch.set_num_threads(1)",
+        "import hvdlike.torch as hvd",
+        "if os.environ.get('PMI_RANK') == '1':",
+        "    os.environ['HVDLIKE_FUSION_THRESHOLD'] = 'lots'",
+        "hvd.init()",
+        "hvd.allreduce(torch.ones(2), name='first')",
+        "hvd.shutdown()"], timeout=60, extra_env={"HVDLIKE_STALL_CHECK_TIME_SECONDS": "300"})
+    assert code != 0, output
     assert "HVDLIKE_FUSION_THRESHOLD" in output and "lots" in output, output[-3000:]
 
 
