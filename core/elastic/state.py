@@ -12,6 +12,7 @@ import copy
 from typing import Any, Callable, Dict, List, Optional
 
 from hvdlike.core.errors import HostsUpdatedInterrupt
+from hvdlike.core.log import logger
 
 from . import worker as worker_mod
 
@@ -53,7 +54,8 @@ class State:
     """Base of every elastic state object.
 
     Args:
-        bcast_object: ``fn(obj, root_rank=0) -> obj``, rank 0's object on every rank.
+        bcast_object: ``fn(obj) -> obj``, rank 0's object on every rank (Horovod's
+            ``broadcast_object``, whose ``root_rank`` defaults to 0).
         get_rank: ``fn() -> int``, this process's current rank.
         allgather_object: ``fn(obj) -> list``, every rank's object in rank order.
 
@@ -119,7 +121,7 @@ class State:
         elif self._allgather_object is not None:
             agreed = max(self._allgather_object(latest))
         else:
-            agreed = self._bcast_object(latest, root_rank=0)
+            agreed = self._bcast_object(latest)  # Horovod's signature: rank 0's by default
         if agreed > ctx.generation:
             raise HostsUpdatedInterrupt(skip_sync=_removed_only(ctx, agreed))
 
@@ -189,9 +191,10 @@ class ObjectState(State):
 
     def __setattr__(self, name: str, value: Any) -> None:
         if not name.startswith("_") and name not in self._saved:
-            # An attribute added later is tracked from its first assignment on,
-            # as Horovod's state objects allow.
-            self._saved[name] = copy_value(self, name, value)
+            # An attribute added later joins the state at the next commit (until
+            # then restore() leaves it alone, as Horovod, which tracks only the
+            # constructor's keywords, always does).
+            self.__dict__.setdefault("_added", {})[name] = None
         object.__setattr__(self, name, value)
 
     def _values(self) -> Dict[str, Any]:
@@ -199,8 +202,14 @@ class ObjectState(State):
 
     def save(self) -> None:
         memo: dict = {}
-        object.__setattr__(self, "_saved", {name: copy_value(self, name, value, memo)
-                                            for name, value in self._values().items()})
+        saved = {name: copy_value(self, name, value, memo)
+                 for name, value in self._values().items()}
+        for name in self.__dict__.pop("_added", {}):
+            try:
+                saved[name] = copy_value(self, name, getattr(self, name), memo)
+            except TypeError as exc:  # a lock, a file, a tensor with history ...
+                logger.warning("elastic: %s; it stays outside the committed state", exc)
+        object.__setattr__(self, "_saved", saved)
 
     def restore(self) -> None:
         self._load_saved()
@@ -210,12 +219,15 @@ class ObjectState(State):
             object.__setattr__(self, name, value)
 
     def sync(self) -> None:
-        if self._saved:
-            synced = self._bcast_object(self._saved, root_rank=0)
-            object.__setattr__(self, "_saved", synced)
-            # Only the plain attributes: a subclass's restore() would also roll
-            # back what it has just synced itself.
-            self._load_saved()
+        # Every rank, even with nothing saved: a rank that joins a running job
+        # may not hold the attributes the survivors committed since they
+        # started, and a broadcast only some ranks enter never completes.
+        synced = self._bcast_object(self._saved)
+        object.__setattr__(self, "_saved", synced)
+        self.__dict__.pop("_added", None)
+        # Only the plain attributes: a subclass's restore() would also roll
+        # back what it has just synced itself.
+        self._load_saved()
 
 
 NEWEST_NAME = "hvdlike.elastic.newest_generation"

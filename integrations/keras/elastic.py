@@ -106,7 +106,7 @@ class KerasState(ObjectState):
         super().restore()
 
     def sync(self) -> None:
-        synced = self._bcast_object(self._read(), root_rank=0)
+        synced = self._bcast_object(self._read())
         self._write(synced)
         object.__setattr__(self, "_saved_variables", synced)
         super().sync()

@@ -83,3 +83,28 @@ def test_ranks_whose_datasets_differ_in_length_are_told_so():
     results = run_ranks(_datasets_of_different_lengths, np=2, timeout=120, fresh=True)
     for outcome in results:
         assert "disagree on len(dataset): rank 0: 10, rank 1: 11" in str(outcome), results
+
+
+def _a_joiner_without_the_attributes_the_survivor_committed():
+    import torch
+
+    import hvdlike.torch as hvd
+
+    hvd.init()
+    model = torch.nn.Linear(2, 1)
+    state = hvd.elastic.TorchState(model=model, optimizer=None)
+    if hvd.rank() == 0:  # the survivor: its training function added and committed these
+        state.steps = 7
+        state.history = [1, 2]
+        state.commit()
+    state.sync()  # the joiner (rank 1) holds no plain attribute: it used to skip the broadcast
+    out = (state.steps, state.history, float(model.weight.detach().sum()))
+    hvd.shutdown()
+    return out
+
+
+def test_a_rank_joining_receives_attributes_added_after_construction():
+    results = run_ranks(_a_joiner_without_the_attributes_the_survivor_committed, np=2,
+                        timeout=90)
+    assert results[0] == results[1]
+    assert results[1][:2] == (7, [1, 2])

@@ -4,8 +4,17 @@ learning-rate schedulers kept bound to the optimizer the loop trains with."""
 import pytest
 import torch
 
+import hvdlike.torch as hvd
 from hvdlike.torch.elastic import TorchState
 from hvdlike.torch.elastic import state as state_mod
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_rank_job():
+    # sync() broadcasts rank 0's state on every rank, whatever it holds.
+    hvd.init()
+    yield
+    hvd.shutdown()
 
 
 def _model_and_scheduler():

@@ -240,16 +240,35 @@ def test_an_attribute_that_cannot_be_copied_is_named():
     with pytest.raises(TypeError, match="TorchState attribute 'lock': a lock cannot be copied"):
         TorchState(model=torch.nn.Linear(1, 1), lock=threading.Lock())
     state = TorchState(epoch=0)
-    with pytest.raises(TypeError, match="attribute 'handle': a TextIOWrapper cannot be copied"):
-        with open(__file__) as f:
-            state.handle = f
     x = torch.ones(2, requires_grad=True)
     state.loss = torch.zeros(())
     state.loss = x.sum() * 2  # part of an autograd graph
+    state.commit()  # added later and not copyable: stays outside the state (a warning)
+    assert "loss" not in state._saved
+    state.loss = state.loss.detach()
+    state.commit()  # a detached tensor is fine: it joins the state now
+    state.loss = torch.ones(())
+    state.restore()
+    assert float(state.loss) == 4.0
+    state.loss = x.sum()  # tracked now: a value that cannot be copied is named
     with pytest.raises(TypeError, match="TorchState attribute 'loss': a Tensor cannot be copied"):
         state.commit()
-    state.loss = state.loss.detach()
-    state.commit()  # a detached tensor is fine
+
+
+def test_an_attribute_added_later_joins_the_state_at_the_next_commit():
+    state = _object_state(epoch=0)
+    state.steps = 3
+    state.steps = 4
+    state.restore()  # never committed: left alone, as Horovod leaves it
+    assert (state.epoch, state.steps) == (0, 4)
+    state.commit()
+    state.steps = 9
+    state.restore()
+    assert state.steps == 4
+    with open(__file__) as handle:
+        state.handle = handle
+        state.commit()  # cannot be copied: outside the state, and nothing fails
+    assert "handle" not in state._saved and state.steps == 4
 
 
 def test_attributes_sharing_an_object_still_share_it_after_restore():

@@ -248,6 +248,7 @@ class TorchState(ObjectState):
             # a copy (the optimizer and the data loader hold this very object).
             handlers[name] = handler
             self._saved.pop(name, None)
+            self.__dict__.get("_added", {}).pop(name, None)
             object.__setattr__(self, name, value)
             return
         if name in handlers:  # no longer a framework object: a plain attribute from now on
