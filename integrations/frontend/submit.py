@@ -17,6 +17,8 @@ from hvdlike.core.errors import DuplicateNameError, HvdlikeInternalError
 from hvdlike.core.handles import Handle
 from hvdlike.core.process_sets import global_process_set, resolve
 
+from .compile_guard import is_compiling, outside
+
 
 class GroupHandle:
     """Handle of a grouped collective: completes when every member has."""
@@ -70,12 +72,17 @@ def synchronize(handle, timeout: Optional[float] = None):
         if handle._error is None:
             return handle._result
         raise handle._error
+    if is_compiling():  # a graph break: the wait runs cycles on this thread
+        return _synchronize_outside(handle, timeout)
     if isinstance(handle, GroupHandle):
         return handle.result([wait(h, timeout) for h in handle.handles])
     if isinstance(handle, Handle):
         return wait(handle, timeout)
     raise TypeError(
         f"synchronize expects a handle returned by an *_async call, got {type(handle).__name__}")
+
+
+_synchronize_outside = outside(synchronize)
 
 
 class OpName(str):

@@ -55,6 +55,7 @@ from typing import Dict, Optional
 import torch
 
 from hvdlike.core import api as _core_api
+from hvdlike.frontend.compile_guard import eager
 
 from . import ops
 from .optimizer import _HOOK_OVERFLOW, _Distributed
@@ -189,6 +190,9 @@ class _DistributedAdasum(_Distributed):
     # Step hooks and the profiler's record run once, around the whole step.
     step = torch.optim.Optimizer.profile_hook_step(step)
     step.hooked = True
+    # Graph breaks under torch.compile (see hvdlike.frontend.compile_guard).
+    step = eager(step)
+    synchronize = eager(synchronize)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._hvd_handles or self._hvd_round_open:

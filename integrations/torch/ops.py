@@ -21,6 +21,7 @@ from hvdlike.core import api, collectives as core
 from hvdlike.core.handles import Handle
 from hvdlike.core.messages import ReduceOp
 from hvdlike.core.process_sets import global_process_set
+from hvdlike.frontend.compile_guard import is_compiling, outside
 from hvdlike.frontend.submit import (  # noqa: F401  (shared by every front end)
     GroupHandle, barrier, join, name_for as _name, poll, run as _run_one,
     set_size as _set_size, submit, submit_one as _submit_one, synchronize, wait as _wait,
@@ -113,6 +114,9 @@ def _allreduce_async(tensor, name, inplace, op, prescale_factor, postscale_facto
                      process_set) -> Handle:
     # _allreduce_entries and _submit for one tensor, flattened: the call
     # submitted by the hundred per step, where each Python call layer counts.
+    if is_compiling():  # see hvdlike.frontend.compile_guard
+        return _allreduce_async_outside(tensor, name, inplace, op, prescale_factor,
+                                        postscale_factor, process_set)
     reduce_op = core.check_op(op, "allreduce")  # before naming, as there
     if type(tensor) is not torch.Tensor or not tensor.is_cpu:
         _check_device(tensor, "allreduce")
@@ -128,6 +132,9 @@ def _allreduce_async(tensor, name, inplace, op, prescale_factor, postscale_facto
     if process_set is global_process_set:
         return _submit_one(entry, "hvdlike.torch")
     return submit([entry], process_set, "hvdlike.torch")[0]
+
+
+_allreduce_async_outside = outside(_allreduce_async)
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,

@@ -40,6 +40,7 @@ from hvdlike.core import current as _current
 from hvdlike.core import shm_segment as _shm_segment
 from hvdlike.core.errors import NotInitializedError
 from hvdlike.core.process_sets import global_process_set
+from hvdlike.frontend.compile_guard import eager
 
 from . import buckets as _buckets
 from . import ops
@@ -500,6 +501,9 @@ class _Distributed:
             self._hvd_synchronized = False
 
     step.hooked = True  # torch's profiling wrapper already wraps the base class's step
+    # Graph breaks under torch.compile (see hvdlike.frontend.compile_guard).
+    step = eager(step)
+    synchronize = eager(synchronize)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if (self._hvd_handles or self._hvd_deferred
