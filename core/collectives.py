@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import numbers
 import operator
-from typing import Any, Callable, List, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 
@@ -49,12 +49,53 @@ def dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
+def _plain_dispatch(cls: type) -> bool:
+    """Whether tensors of ``cls`` hold their own memory (no ``__torch_dispatch__`` of theirs)."""
+    known = _PLAIN_CLASSES.get(cls)
+    if known is None:
+        dispatch = getattr(cls, "__torch_dispatch__", None)
+        base = getattr(torch.Tensor, "__torch_dispatch__", None)
+        known = _PLAIN_CLASSES[cls] = getattr(dispatch, "__func__", dispatch) is getattr(
+            base, "__func__", base)
+    return known
+
+
+_PLAIN_CLASSES: dict = {torch.Tensor: True}
+_is_functorch_wrapped = getattr(getattr(torch._C, "_functorch", None),
+                                "is_functorch_wrapped_tensor", None)
+
+
+def kind_problem(tensor: torch.Tensor) -> Optional[str]:
+    """Why ``tensor`` is not plain memory the data planes can move, or None.
+
+    Sparse compressed layouts, nested tensors, subclasses that intercept torch
+    operations (``DTensor``, ``FakeTensor``, wrapper subclasses) and tensors
+    inside ``torch.func`` transforms passed the dtype checks and then failed in
+    the data plane -- for every later collective too.
+    """
+    if tensor.layout is not torch.strided:
+        return f"a tensor of layout {tensor.layout} (use a dense, strided tensor: .to_dense())"
+    if tensor.is_nested:
+        return "a nested tensor (communicate its components, or a padded dense tensor)"
+    if not _plain_dispatch(type(tensor)):
+        return (f"a {type(tensor).__name__}, a tensor subclass that intercepts torch operations "
+                f"(pass the plain tensor it holds: for a DTensor, .full_tensor() or "
+                f".to_local())")
+    if _is_functorch_wrapped is not None and _is_functorch_wrapped(tensor):
+        return ("a tensor inside a torch.func transform (vmap, grad): collectives need "
+                "real tensors; call them outside the transform")
+    return None
+
+
 def check_tensor(tensor: Any, what: str, allowed=MOVABLE) -> torch.Tensor:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{what} expects a torch.Tensor, got {type(tensor).__name__}")
     if tensor.is_sparse:
         raise TypeError(f"{what} expects a dense tensor, got a sparse one "
                         "(use sparse_allreduce_async or sparse_as_dense)")
+    problem = kind_problem(tensor)
+    if problem is not None:
+        raise TypeError(f"{what} cannot communicate {problem}")
     if tensor.dtype not in allowed:
         names = ", ".join(sorted(dtype_name(d) for d in allowed))
         raise TypeError(f"{what} does not support dtype {dtype_name(tensor.dtype)}; "

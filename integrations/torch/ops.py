@@ -52,7 +52,13 @@ def _check_device(tensor, what: str) -> None:
     initialization, say) would reach the data plane and fail the runtime for
     every later collective, so it is refused here, before it is submitted.
     """
-    if isinstance(tensor, torch.Tensor) and not tensor.is_cpu and not tensor.is_cuda:
+    if not isinstance(tensor, torch.Tensor):
+        return
+    if type(tensor) is not torch.Tensor and not tensor.is_sparse:
+        problem = core.kind_problem(tensor)  # a subclass: DTensor, FakeTensor ...
+        if problem is not None:
+            raise TypeError(f"{what}: cannot communicate {problem}")
+    if not tensor.is_cpu and not tensor.is_cuda:
         raise TypeError(f"{what}: cannot communicate a tensor on device "
                         f"{tensor.device.type!r}; hvdlike.torch moves CPU and CUDA tensors "
                         "(materialize it or move it with .cpu() / .cuda() first)")

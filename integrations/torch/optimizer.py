@@ -34,6 +34,7 @@ import weakref
 from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from hvdlike.core import api as _core_api
 from hvdlike.core import current as _current
@@ -511,7 +512,10 @@ class _Distributed:
             raise RuntimeError(
                 "DistributedOptimizer.zero_grad() was called after backward() but before "
                 "step() or synchronize(): gradients are still being reduced; call step() "
-                "(or synchronize()) first")
+                "(or synchronize()) first. If step() was skipped on purpose (GradScaler skips "
+                "it after inf/NaN gradients), the other ranks still wait for this round: use "
+                "optimizer.synchronize(); scaler.unscale_(optimizer); with "
+                "optimizer.skip_synchronize(): scaler.step(optimizer)")
         self._hvd_passes = {}
         self._hvd_group_ready = {}
         self._hvd_round_open = False
@@ -590,6 +594,12 @@ def _usable_cpus() -> int:
     return len(_shm_segment.affinity())
 
 
+# parameter -> (its hook's handle, the owning optimizer, weakly). Keyed by identity
+# and weakly (tensors compare elementwise); not an attribute of the parameter,
+# which torch.save(model) would try to pickle along with it.
+_HOOKS = WeakIdKeyDictionary()
+
+
 def _take_over(p: torch.Tensor, optimizer: _Distributed,
                where: Optional[Tuple[_buckets.Bucket, int]] = None):
     """Register ``optimizer``'s hook on ``p``, removing an earlier optimizer's.
@@ -599,8 +609,7 @@ def _take_over(p: torch.Tensor, optimizer: _Distributed,
     The hook holds the optimizer weakly, so a dropped optimizer goes quiet.
     ``where`` is ``p``'s bucket and slot, if it has one.
     """
-    # Stored on the parameter itself: tensors cannot key a weak dict (== is elementwise).
-    old = getattr(p, "_hvdlike_hook", None)
+    old = _HOOKS.get(p)
     if old is not None:
         old_handle, old_ref = old
         old_handle.remove()
@@ -636,7 +645,7 @@ def _take_over(p: torch.Tensor, optimizer: _Distributed,
                 owner._hvd_hook(param)
 
     handle = p.register_post_accumulate_grad_hook(hook)
-    p._hvdlike_hook = (handle, ref)
+    _HOOKS[p] = (handle, ref)
     return handle
 
 

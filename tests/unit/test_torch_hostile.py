@@ -251,3 +251,46 @@ def test_malformed_named_parameters_are_a_value_error_as_in_horovod_and_a_type_e
         with pytest.raises(kind, match="named_parameters must be"):
             hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                      named_parameters=list(model.parameters()))
+
+
+def test_a_model_whose_parameters_are_hooked_can_still_be_saved_whole():
+    import io
+
+    model = torch.nn.Linear(2, 1)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    buffer = io.BytesIO()
+    torch.save(model, buffer)  # the hook record used to sit on the parameter, unpicklable
+    buffer.seek(0)
+    assert torch.equal(torch.load(buffer, weights_only=False).weight, model.weight)
+
+
+def _two_tensor():
+    two_tensor = pytest.importorskip("torch.testing._internal.two_tensor")
+    return two_tensor.TwoTensor(torch.ones(2), torch.full((2,), 10.0))
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: torch.ones(2, 2).to_sparse_csr(), "layout torch.sparse_csr"),
+    (lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), "nested tensor"),
+    (lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=torch.jagged),
+     "layout torch.jagged"),
+    (_two_tensor, "TwoTensor, a tensor subclass that intercepts torch operations"),
+], ids=["sparse_csr", "nested", "jagged", "wrapper_subclass"])
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_tensors_that_are_not_plain_memory_are_refused_before_submission(make, match):
+    # They passed the dtype checks, then failed in the data plane and took the
+    # runtime down for every later collective (or returned garbage).
+    tensor = make()
+    for call in (hvd.allreduce, hvd.allgather, lambda t: hvd.broadcast(t, 0), hvd.allreduce_async_):
+        with pytest.raises(TypeError, match=match):
+            call(tensor)
+    assert torch.equal(hvd.allreduce(torch.ones(3), op=hvd.Sum), torch.ones(3))
+
+
+def test_a_collective_inside_a_torch_func_transform_is_refused():
+    with pytest.raises(TypeError, match="inside a torch.func transform"):
+        torch.func.vmap(lambda t: hvd.allreduce(t))(torch.ones(2, 3))
+    assert torch.equal(hvd.allreduce(torch.ones(3), op=hvd.Sum), torch.ones(3))
