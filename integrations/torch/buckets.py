@@ -95,6 +95,10 @@ class Bucket:
         self._viewable = [as_views and p.is_contiguous() for p in members]
         # Gradients replaced by views at the last unpack, dropped by release().
         self.retired: List[torch.Tensor] = []
+        # (slot, gradient, its version) of every gradient the last pack copied in.
+        self._copied: List[tuple] = []
+        self.member_names: List[str] = []  # set by plan(): for error messages
+        self.early = False  # packed during backward (set by the optimizer)
         self.reset()
 
     def reset(self) -> None:
@@ -118,6 +122,7 @@ class Bucket:
         """
         self.release()
         destinations, sources = [], []
+        copied = self._copied = []
         flat = self.flat
         starts = self._starts
         for i, (p, view) in enumerate(zip(self.members, self.views)):
@@ -139,7 +144,21 @@ class Bucket:
                     self.stale = True  # carried converted this once; re-planned after
                 destinations.append(view)
                 sources.append(grad)
+                copied.append((i, grad, grad._version))
         _copy_all(destinations, sources)
+
+    def changed_since_pack(self) -> Optional[str]:
+        """The name of a member whose gradient changed after the pack copied it, else None.
+
+        A reduction that starts during backward packs the gradients then; an
+        in-place change made before ``step()`` (``GradScaler.unscale_``,
+        clipping) would be overwritten by the reduced values without a word.
+        """
+        for slot, grad, version in self._copied:
+            p = self.members[slot]
+            if p.grad is not grad or grad._version != version:
+                return self.member_names[slot] if self.member_names else f"member {slot}"
+        return None
 
     def _leave(self, slot: int) -> torch.Tensor:
         """Member ``slot``'s handed-out view was re-pointed: a fresh one, returned."""
@@ -214,5 +233,7 @@ def plan(params: Iterable[torch.Tensor], names: Dict[torch.Tensor, str], thresho
         # The span of member names tells a stall report which gradients are late.
         first, last = names[members[0]], names[members[-1]]
         span = first if len(members) == 1 else f"{first}..{last}"
-        buckets.append(Bucket(i, f"DistributedOptimizer.bucket.{i}.{span}", members, as_views))
+        bucket = Bucket(i, f"DistributedOptimizer.bucket.{i}.{span}", members, as_views)
+        bucket.member_names = [names[m] for m in members]
+        buckets.append(bucket)
     return buckets

@@ -113,6 +113,7 @@ class _Distributed:
         # _overlaps_cpu): (start function, its argument), in hook order.
         self._hvd_deferred: List[tuple] = []
         self._hvd_defer = not _overlaps_cpu()
+        self._hvd_syncing = False  # inside synchronize(): see _hvd_start_bucket
         self._hvd_register_all()
         self._hvd_build_groups(num_groups, groups)
         if op != ops.Adasum and not self._hvd_groups:
@@ -254,6 +255,9 @@ class _Distributed:
 
     def _hvd_start_bucket(self, bucket: _buckets.Bucket) -> None:
         bucket.pack(self._hvd_sparse_in_bucket)
+        # Packed during backward (not by synchronize itself): user code may still
+        # change the gradients before step(); checked when the results come back.
+        bucket.early = not self._hvd_syncing
         compressed, ctx = self._hvd_compression.compress(bucket.flat)
         handle = ops.allreduce_async_(compressed, name=bucket.name, op=self._hvd_op,
                                       prescale_factor=self._hvd_prescale,
@@ -352,6 +356,7 @@ class _Distributed:
             self._hvd_defer = not _overlaps_cpu()  # for the next round
             # No core is idle: this thread, which waits for them anyway, runs the
             # reductions held back to now (Runtime.cycles_here).
+            self._hvd_syncing = True
             try:
                 with _core_api.runtime().cycles_here() if deferred else contextlib.nullcontext():
                     self._hvd_finish(deferred)
@@ -360,6 +365,8 @@ class _Distributed:
                 # marks that make the next zero_grad() or backward() refuse to run.
                 self._hvd_abandon_round()
                 raise
+            finally:
+                self._hvd_syncing = False
         # Only once it succeeded: after a failure (an elastic reset) the next
         # step() must synchronize without warning.
         self._hvd_synchronized = True
@@ -401,6 +408,8 @@ class _Distributed:
             elif kind == "bucket":
                 bucket, ctx = extra
                 out = ops.synchronize(handle)
+                if bucket.early:
+                    _refuse_late_change(bucket)
                 if payload is not bucket.flat:
                     bucket.flat.copy_(self._hvd_compression.decompress(out, ctx))
                 bucket.unpack()
@@ -592,6 +601,19 @@ def _cpu_quota() -> Optional[float]:
 
 def _usable_cpus() -> int:
     return len(_shm_segment.affinity())
+
+
+def _refuse_late_change(bucket: _buckets.Bucket) -> None:
+    """Raise when a gradient the bucket packed during backward changed before step()."""
+    name = bucket.changed_since_pack()
+    if name is not None:
+        raise RuntimeError(
+            f"DistributedOptimizer: the gradient of {name!r} was changed after backward() "
+            f"(in place, or replaced) while its reduction was already under way -- the change "
+            f"would be lost. Gradients reduced during backward (HVDLIKE_CPU_OVERLAP, or a "
+            f"GPU) must be changed after the reduction: optimizer.synchronize(); change them "
+            f"(scaler.unscale_(optimizer), clip_grad_norm_ ...); then "
+            f"with optimizer.skip_synchronize(): optimizer.step()")
 
 
 # parameter -> (its hook's handle, the owning optimizer, weakly). Keyed by identity

@@ -67,3 +67,36 @@ def test_a_failed_step_leaves_the_optimizer_ready_for_the_next_round():
     for failed, identical in run_ranks(_step_fails_then_training_goes_on, np=2, timeout=90):
         assert failed == "NotInitializedError"
         assert identical
+
+
+def _clip_after_backward_without_synchronize():
+    import torch
+
+    import hvdlike.torch as hvd
+
+    hvd.init()
+    model = torch.nn.Linear(3, 2)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    model(torch.ones(2, 3)).sum().backward()  # reductions start here (overlap on)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)  # too late for them
+    try:
+        opt.step()
+        refused = ""
+    except RuntimeError as exc:
+        refused = str(exc)
+    # The documented recipe, then training goes on.
+    opt.zero_grad()
+    model(torch.ones(2, 3)).sum().backward()
+    opt.synchronize()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+    with opt.skip_synchronize():
+        opt.step()
+    hvd.shutdown()
+    return refused
+
+
+def test_a_gradient_changed_while_its_reduction_runs_is_refused_not_lost():
+    for refused in run_ranks(_clip_after_backward_without_synchronize, np=2, timeout=90,
+                             env={"HVDLIKE_CPU_OVERLAP": "1"}):
+        assert "was changed after backward()" in refused and "skip_synchronize" in refused
