@@ -14,6 +14,7 @@ import torch
 from hvdlike.core import api, collectives as core
 from hvdlike.core.process_sets import global_process_set, resolve
 
+from .compile_guard import eager
 from .submit import submit, synchronize
 
 _FRONTEND = "hvdlike"
@@ -113,3 +114,8 @@ def allgather_object(obj, name=None, process_set=global_process_set) -> list:
         if isinstance(value, _Unpicklable):
             value.raise_here("allgather_object")
     return out
+
+
+# Called while torch.compile traces, these run as graph breaks (see
+# hvdlike.frontend.compile_guard).
+broadcast_object, allgather_object = eager(broadcast_object), eager(allgather_object)

@@ -17,7 +17,7 @@ from hvdlike.core.errors import DuplicateNameError, HvdlikeInternalError
 from hvdlike.core.handles import Handle
 from hvdlike.core.process_sets import global_process_set, resolve
 
-from .compile_guard import is_compiling, outside
+from .compile_guard import eager, is_compiling, outside
 
 
 class GroupHandle:
@@ -206,3 +206,8 @@ def join(device=-1) -> int:
     """
     entry = core.join_entry(name_for(None, "join"))
     return synchronize(submit([entry], global_process_set, "hvdlike")[0])
+
+
+# Called while torch.compile traces, these run as graph breaks (see
+# hvdlike.frontend.compile_guard).
+poll, barrier, join = eager(poll), eager(barrier), eager(join)

@@ -42,20 +42,3 @@ from .sparse import sparse_allreduce_async
 from .sync_batch_norm import SyncBatchNorm
 from . import mpi_ops  # noqa: F401 - hvd.mpi_ops without an import, as in Horovod
 
-# Called while torch.compile traces, a collective is a graph break (see
-# hvdlike.frontend.compile_guard); the per-tensor hot paths (allreduce_async,
-# allreduce_async_, synchronize) carry that check inline.
-from hvdlike.frontend.compile_guard import eager as _eager
-
-(allgather_async, allreduce_, alltoall_async, barrier, broadcast_, broadcast_async,
- broadcast_async_, grouped_allgather_async, grouped_allreduce_, grouped_allreduce_async,
- grouped_allreduce_async_, grouped_reducescatter_async, join, poll, reducescatter_async,
- allgather, allreduce, alltoall, broadcast, grouped_allgather, grouped_allreduce,
- grouped_reducescatter, reducescatter, broadcast_optimizer_state, broadcast_parameters,
- sparse_allreduce_async, allgather_object, broadcast_object) = map(_eager, (
-    allgather_async, allreduce_, alltoall_async, barrier, broadcast_, broadcast_async,
-    broadcast_async_, grouped_allgather_async, grouped_allreduce_, grouped_allreduce_async,
-    grouped_allreduce_async_, grouped_reducescatter_async, join, poll, reducescatter_async,
-    allgather, allreduce, alltoall, broadcast, grouped_allgather, grouped_allreduce,
-    grouped_reducescatter, reducescatter, broadcast_optimizer_state, broadcast_parameters,
-    sparse_allreduce_async, allgather_object, broadcast_object))

@@ -37,6 +37,7 @@ import torch
 
 from hvdlike.core import api
 from hvdlike.core.process_sets import global_process_set
+from hvdlike.frontend.compile_guard import eager
 
 from . import ops
 from .compression import Compression
@@ -326,3 +327,11 @@ def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=o
                                          prescale_factor, postscale_factor)
     return list(_GroupedReducescatter.apply(name, op, process_set, prescale_factor,
                                             postscale_factor, compression, *tensors))
+
+
+# Called while torch.compile traces, these run as graph breaks (see
+# hvdlike.frontend.compile_guard).
+(allreduce, grouped_allreduce, allgather, grouped_allgather, broadcast, alltoall, reducescatter,
+ grouped_reducescatter) = map(eager, (allreduce, grouped_allreduce, allgather, grouped_allgather,
+                                      broadcast, alltoall, reducescatter,
+                                      grouped_reducescatter))

@@ -16,9 +16,10 @@ import cloudpickle
 import torch
 
 from hvdlike.core.process_sets import global_process_set
+from hvdlike.frontend.compile_guard import eager
+from hvdlike.frontend.objects import allgather_object, broadcast_object  # noqa: F401 (re-exported)
 
 from . import ops
-from hvdlike.frontend.objects import allgather_object, broadcast_object  # noqa: F401 (re-exported)
 
 
 def _named_tensors(params, what: str) -> List[Tuple[str, torch.Tensor]]:
@@ -327,3 +328,9 @@ def _collect_slots(value: Any, out: List[_TensorSlot]) -> None:
     elif isinstance(value, (list, tuple)):
         for v in value:
             _collect_slots(v, out)
+
+
+# Called while torch.compile traces, these run as graph breaks (see
+# hvdlike.frontend.compile_guard).
+broadcast_parameters = eager(broadcast_parameters)
+broadcast_optimizer_state = eager(broadcast_optimizer_state)

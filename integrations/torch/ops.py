@@ -21,7 +21,7 @@ from hvdlike.core import api, collectives as core
 from hvdlike.core.handles import Handle
 from hvdlike.core.messages import ReduceOp
 from hvdlike.core.process_sets import global_process_set
-from hvdlike.frontend.compile_guard import is_compiling, outside
+from hvdlike.frontend.compile_guard import eager, is_compiling, outside
 from hvdlike.frontend.submit import (  # noqa: F401  (shared by every front end)
     GroupHandle, barrier, join, name_for as _name, poll, run as _run_one,
     set_size as _set_size, submit, submit_one as _submit_one, synchronize, wait as _wait,
@@ -369,3 +369,16 @@ def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=A
 
 
 # -- barrier and join ----------------------------------------------------------------
+
+
+# Called while torch.compile traces, these run as graph breaks (see
+# hvdlike.frontend.compile_guard).
+(allreduce, allreduce_, grouped_allreduce_async, grouped_allreduce_async_, grouped_allreduce,
+ grouped_allreduce_, allgather_async, allgather, grouped_allgather_async, grouped_allgather,
+ broadcast_async, broadcast_async_, broadcast, broadcast_, alltoall_async, alltoall,
+ reducescatter_async, reducescatter, grouped_reducescatter_async, grouped_reducescatter) = map(
+    eager, (allreduce, allreduce_, grouped_allreduce_async, grouped_allreduce_async_,
+            grouped_allreduce, grouped_allreduce_, allgather_async, allgather,
+            grouped_allgather_async, grouped_allgather, broadcast_async, broadcast_async_,
+            broadcast, broadcast_, alltoall_async, alltoall, reducescatter_async, reducescatter,
+            grouped_reducescatter_async, grouped_reducescatter))

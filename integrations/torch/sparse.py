@@ -16,6 +16,7 @@ from typing import Any, List
 import torch
 
 from hvdlike.core.process_sets import global_process_set
+from hvdlike.frontend.compile_guard import eager
 
 from . import ops
 
@@ -77,3 +78,8 @@ def sparse_allreduce_async(tensor, name=None, op=ops.Average,
                ops.allgather_async(shape, name=f"{name}.dense_shape", process_set=process_set)]
     size = ops._set_size(process_set)
     return SparseHandle(handles, tuple(tensor.shape), op == ops.Average, size)
+
+
+# Called while torch.compile traces, these run as graph breaks (see
+# hvdlike.frontend.compile_guard).
+sparse_allreduce_async = eager(sparse_allreduce_async)
