@@ -130,19 +130,25 @@ def _gives(extra: Sequence[str], option: str) -> bool:
                if arg.startswith("-"))
 
 
-def _die_with_parent() -> None:
-    """In mpirun's process, before it runs: be sent SIGTERM when the launcher dies.
+def _parent_death_signal():
+    """A function for mpirun's process, run before it execs: be sent SIGTERM when the
+    launcher dies (None where the C library has no ``prctl``).
 
     A launcher killed with SIGKILL cannot pass anything on; without this its
-    mpirun (and every rank) ran on, orphaned.
+    mpirun (and every rank) ran on, orphaned. The library is loaded here, in the
+    launcher: the child of a fork should import nothing.
     """
     try:
         import ctypes
 
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):  # not Linux: the launcher's own signals still pass
-        pass
+        return None
+
+    def set_signal() -> None:
+        prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+
+    return set_signal
 
 
 def _write_ssh_wrapper(folder: str, ssh_args: Sequence[str]) -> str:
@@ -213,7 +219,8 @@ def run_with_mpirun(config: LaunchConfig, np: int, dry_run: bool = False,
             proc.send_signal(signal.SIGTERM)
 
         proc = subprocess.Popen(argv, env=dict(env), cwd=config.cwd,
-                                preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+                                preexec_fn=_parent_death_signal() if sys.platform == "linux"
+                                else None)
         previous = {sig: signal.signal(sig, forward) for sig in _FORWARDED}
         try:
             code = proc.wait()
