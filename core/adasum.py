@@ -46,18 +46,27 @@ _TAG_LEVELS = 64  # tags per operation: levels plus the fold steps
 _HOST_TAGS = 2  # hierarchical: tags of the transfers inside a host, before the leaders'
 
 
+# Below this squared norm a vector's Adasum coefficient stays 1 (Horovod's
+# threshold): the parameter changes the Adasum optimizer combines (lr x
+# gradient) of biases and small layers often are that small, and must move
+# parameters as much as they do under Horovod.
+TINY_NORM_SQUARED = 1e-8
+
+
 def combine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """The Adasum of two vectors of the same shape (a new tensor, dtype of ``a``).
 
-    Dot products run in float64. A zero vector contributes nothing.
+    Dot products run in float64. A vector whose squared norm is below
+    :data:`TINY_NORM_SQUARED` keeps its coefficient 1, as in Horovod: two such
+    vectors are summed (a zero vector contributes nothing either way).
     """
     a64 = a.reshape(-1).to(torch.float64)
     b64 = b.reshape(-1).to(torch.float64)
     dot = float(torch.dot(a64, b64))
     aa = float(torch.dot(a64, a64))
     bb = float(torch.dot(b64, b64))
-    ca = 1.0 - dot / (2.0 * aa) if aa > 0.0 else 1.0
-    cb = 1.0 - dot / (2.0 * bb) if bb > 0.0 else 1.0
+    ca = 1.0 - dot / (2.0 * aa) if aa >= TINY_NORM_SQUARED else 1.0
+    cb = 1.0 - dot / (2.0 * bb) if bb >= TINY_NORM_SQUARED else 1.0
     work = a.dtype if a.dtype in (torch.float32, torch.float64) else torch.float32
     out = a.to(work) * ca + b.to(work) * cb
     return out.to(a.dtype)

@@ -84,6 +84,10 @@ def start(process_sets: Sequence[ps.ProcessSet], settings: dict, carried=None,
     with _SLOT.lock:
         if _SLOT.runtime is not None and _SLOT.runtime.alive_error() is None:
             return
+        if _SLOT.runtime is not None and _SLOT.runtime.forked:
+            # Its environment names the parent's rank: a runtime built here would
+            # join the parent's job as a second copy of that rank.
+            raise _SLOT.runtime.fatal
         if _SLOT.runtime is not None:
             _SLOT.runtime.shutdown()
             _SLOT.runtime = None
@@ -114,6 +118,8 @@ def _chain_excepthook() -> None:
 
     def hook(exc_type, exc, tb):
         previous(exc_type, exc, tb)
+        if _SLOT.inherited:
+            return  # a forked child's failure is not its parent rank's (see current._forked)
         current = _SLOT.runtime
         if current is not None and current.topology.size > 1:
             text = str(exc).splitlines()[0] if str(exc) else ""

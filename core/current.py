@@ -13,6 +13,7 @@ This module imports nothing from hvdlike, so any module may import it.
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any, Dict, Optional
 
@@ -29,6 +30,8 @@ class Slot:
         self.exit_hooks_installed = False
         # Instances of front-end objects made while no runtime lives (kind -> count).
         self.counters: Dict[str, int] = {}
+        # This process was forked from one whose runtime was live (see _forked).
+        self.inherited = False
 
     def next_generation(self) -> int:
         with self.lock:
@@ -37,6 +40,28 @@ class Slot:
 
 
 SLOT = Slot()
+
+
+def _forked() -> None:
+    """In a child forked after ``init()`` (a DataLoader worker, ``os.fork``).
+
+    The child holds a copy of its parent's runtime: the parent's segments,
+    sockets and store connection, and none of its threads. Driving them from
+    here would break the parent's job (its peers would take the child's
+    traffic for the parent's), and the child's exit must not announce a
+    shutdown, remove files or abort MPI in the parent's name. The copy keeps
+    answering ``rank()``/``size()`` and refuses everything else, naming why.
+    A lock another thread held at the fork stays held in the child: made anew.
+    """
+    SLOT.lock = threading.RLock()
+    current = SLOT.runtime
+    if current is not None:
+        SLOT.inherited = True
+        current.forked_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked)
 
 
 def get():

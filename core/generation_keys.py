@@ -24,6 +24,7 @@ from typing import List, Optional
 import torch.distributed as dist
 
 _KEYS = "closed/keys/"
+_CLOSED = "closed/count"  # ranks that published their lists (see forget)
 
 
 class KeyLog(dist.Store):
@@ -109,36 +110,40 @@ class KeyLog(dist.Store):
         return self._inner.timeout
 
 
-def forget(store, prefix: str, logs: List[KeyLog], rank: int, size: int,
-           timeout: float = 10.0) -> bool:
-    """Publish this rank's keys of the generation; rank 0 then deletes every rank's.
+def forget(store, prefix: str, logs: List[KeyLog], rank: int, size: int) -> bool:
+    """Publish this rank's keys of the generation; the last rank to do so deletes them all.
 
     Call once per rank, after the rank stopped touching the generation (its
-    groups are closed and its health watcher has stopped). Rank 0 waits (up to
-    ``timeout`` seconds) for every rank's list -- they all stop in the same
-    negotiation cycle, so this is the time their teardown takes -- and only
-    rank 0 deletes, so no rank reads a key another has deleted.
+    groups are closed and its health watcher has stopped). Every rank counts
+    itself in after publishing its list; the one that completes the count
+    knows every other rank has stopped touching the generation too, reads
+    the lists and deletes every key. No rank waits for another: a rank whose
+    script goes on computing after the job's last collective does not hold
+    up the others' exit (rank 0 used to wait for every list, up to 10 s).
+    A rank that never gets here (it died) leaves the keys in the store.
 
     Args:
         store: the Python store the logs wrote to (keys as the logs recorded them).
         prefix: the generation's prefix (the lists are published under it too).
         logs: the logs this rank's parts wrote through.
         rank, size: this rank and the number of ranks in the generation.
-        timeout: how long rank 0 waits for the other ranks' lists.
 
     Returns:
         True on the rank that deleted the keys.
     """
     keys = sorted({key for log in logs for key in log.written()})
-    if rank != 0:
-        store.set(f"{prefix}{_KEYS}{rank}", json.dumps(keys))
+    mine = f"{prefix}{_KEYS}{rank}"
+    store.set(mine, json.dumps(keys))
+    counter = f"{prefix}{_CLOSED}"
+    if store.add(counter, 1) < size:
         return False
-    names = [f"{prefix}{_KEYS}{r}" for r in range(1, size)]
-    if names:
-        store.wait(names, timedelta(seconds=timeout))
-    for name in names:
-        keys.extend(json.loads(store.get(name)))
-        keys.append(name)
-    for key in sorted(set(keys)):
+    everything = set(keys)
+    for other in range(size):
+        name = f"{prefix}{_KEYS}{other}"
+        if other != rank:
+            everything.update(json.loads(store.get(name)))
+        everything.add(name)
+    everything.add(counter)
+    for key in sorted(everything):
         store.delete_key(key)
     return True

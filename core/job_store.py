@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import errno
+import os
 import socket
 from typing import Optional
 
@@ -119,6 +120,11 @@ _FORGET_AT_EXIT: set = set()
 
 def _forget_at_exit(tag: str) -> None:
     _FORGET_AT_EXIT.add(tag)
+
+
+if hasattr(os, "register_at_fork"):
+    # A child forked from a rank must not remove the files its parent still serves.
+    os.register_at_fork(after_in_child=_FORGET_AT_EXIT.clear)
 
 
 @atexit.register

@@ -13,7 +13,8 @@ submitting threads always read a consistent table without a lock.
 
 Registration is collective over *all* ranks, which must pass the same sets
 in the same order; that is checked, and a difference makes every rank raise
-(never hang). Static sets (``init(process_sets=[...])``) are registered
+(never hang). So does a set that is invalid on one rank only: its problem is
+carried through the exchange, never raised before it. Static sets (``init(process_sets=[...])``) are registered
 before the background thread starts, over the global set's control plane.
 A dynamic change goes like this: members build the new set's groups, then
 every rank submits a barrier on the global set; its response comes back in
@@ -28,8 +29,9 @@ from __future__ import annotations
 import pickle
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, NoReturn, Optional, Sequence, Tuple
 
+from . import process_sets
 from .collectives import allgather_entry, barrier_entry
 from .errors import HvdlikeError, HvdlikeInternalError
 from .process_sets import ProcessSet
@@ -39,13 +41,43 @@ from .set_state import ProcessSetState, SetParts
 _CAUSE_WAIT_SECONDS = 2.0
 
 
-def _check_ranks(pset: ProcessSet, size: int, what: str) -> None:
+# What was wrong with one rank's argument: (the exception class it would have
+# raised alone, "TypeError" or "ValueError"; the reason). A rank never raises
+# such a problem on its own: the other ranks are entering the exchange that
+# registration is, and would wait there until the job fails. The problem goes
+# through the exchange instead, and every rank raises.
+Problem = Optional[Tuple[str, str]]
+
+
+def _ranks_problem(pset: ProcessSet, size: int) -> Problem:
+    """Why ``pset``'s ranks cannot be a set of a job of ``size`` ranks, or None."""
     if not pset.ranks:
-        raise ValueError(f"{what}: a process set needs at least one rank")
+        return ("ValueError", "a process set needs at least one rank")
     bad = [r for r in pset.ranks if r >= size]
     if bad:
-        raise ValueError(f"{what}: ranks {bad} of {pset!r} do not exist in a job of "
-                         f"{size} rank(s)")
+        return ("ValueError", f"ranks {bad} of {pset!r} do not exist in a job of "
+                              f"{size} rank(s)")
+    return None
+
+
+def _static_entry(index: int, pset: Any, size: int) -> Tuple[Any, Problem]:
+    """What ``init(process_sets=...)``'s element ``index`` is shown as, and its problem."""
+    if not isinstance(pset, ProcessSet):
+        return repr(pset), ("TypeError", f"process_sets[{index}] must be a ProcessSet, got "
+                                         f"{type(pset).__name__}")
+    problem = _ranks_problem(pset, size)
+    if problem is not None:
+        problem = (problem[0], f"process_sets[{index}]: {problem[1]}")
+    return list(pset.ranks), problem
+
+
+def _merged(problems: List[Problem]) -> Problem:
+    """One rank's problems as one (a TypeError among them makes it a TypeError)."""
+    found = [p for p in problems if p]
+    if not found:
+        return None
+    kind = "TypeError" if any(k == "TypeError" for k, _ in found) else "ValueError"
+    return kind, "; ".join(text for _, text in found)
 
 
 def _disagreement(what: str, values: List[Any]) -> Optional[str]:
@@ -55,6 +87,31 @@ def _disagreement(what: str, values: List[Any]) -> Optional[str]:
              f"every rank; the ranks passed:"]
     lines += [f"  rank {r}: {v}" for r, v in enumerate(values)]
     return "\n".join(lines)
+
+
+def _refusal(what: str, reports: List[Tuple[Any, Problem]]) -> Optional[str]:
+    """The message every rank raises, given each rank's ``(value, problem)``;
+    None when the call may go on.
+
+    A problem on any rank refuses the call everywhere (naming the rank and what
+    was wrong); otherwise the values must be equal (:func:`_disagreement`).
+    """
+    faulty = [str(r) for r, (_, problem) in enumerate(reports) if problem]
+    if not faulty:
+        return _disagreement(what, [value for value, _ in reports])
+    lines = [f"{what} was refused on every rank: rank(s) {', '.join(faulty)} passed an "
+             f"invalid process set; the ranks passed:"]
+    for r, (value, problem) in enumerate(reports):
+        lines.append(f"  rank {r}: {value}" + (f"  <- {problem[1]}" if problem else ""))
+    return "\n".join(lines)
+
+
+def _raise_refusal(message: str, mine: Problem) -> NoReturn:
+    """Raise ``message``: as a ``TypeError`` on a rank whose own argument had the
+    wrong type (what it raised alone), else as a ``ValueError``."""
+    if mine is not None and mine[0] == "TypeError":
+        raise TypeError(message)
+    raise ValueError(message)
 
 
 class ProcessSetRegistry:
@@ -71,6 +128,7 @@ class ProcessSetRegistry:
 
     def __init__(self, size: int, parts: SetParts, submit: Callable, wait: Callable,
                  alive_error: Callable[[], Optional[BaseException]]):
+        process_sets.open_registrations()  # ids given from now on are this runtime's
         self.rank = parts.rank
         self.size = size
         self.parts = parts
@@ -229,25 +287,28 @@ class ProcessSetRegistry:
         its ranks are now those of the whole job; the others get the next free ids.
 
         Raises:
-            TypeError: an element is not a :class:`ProcessSet`.
-            ValueError: ranks out of range, or the ranks passed differ across
-                ranks (raised on every rank).
+            TypeError: an element is not a :class:`ProcessSet` (on that rank; the
+                others raise ``ValueError`` naming it).
+            ValueError: ranks out of range or none, on any rank, or the ranks
+                passed differ across ranks (raised on every rank).
         """
-        for index, pset in enumerate(psets):
-            if not isinstance(pset, ProcessSet):
-                raise TypeError(f"init: process_sets[{index}] must be a ProcessSet, "
-                                f"got {type(pset).__name__}")
-            _check_ranks(pset, self.size, "init")
-        mine = [list(p.ranks) for p in psets]
+        entries = [_static_entry(i, p, self.size) for i, p in enumerate(psets)]
+        mine = [value for value, _ in entries]
+        problem = _merged([p for _, p in entries])
         control = self.states[0].controller.control
-        gathered = control.gather(pickle.dumps(mine))
+        gathered = control.gather(pickle.dumps((mine, problem)))
         verdict = ids = None
         if gathered is not None:
-            verdict = _disagreement("init()", [pickle.loads(g) for g in gathered])
-            ids = [p.process_set_id for p in psets]
+            verdict = _refusal("init()", [pickle.loads(g) for g in gathered])
+            if not verdict:
+                ids = [p.process_set_id for p in psets]
         verdict, ids = pickle.loads(control.broadcast(pickle.dumps((verdict, ids))))
         if verdict:
-            raise ValueError(verdict)
+            _raise_refusal(verdict, problem)
+        self._install_static(psets, ids)
+
+    def _install_static(self, psets: Sequence[ProcessSet], ids: List[Optional[int]]) -> None:
+        """Give ``psets`` their ids (``ids``: those they carried on rank 0) and build them."""
         by_ranks: Dict[tuple, int] = {tuple(range(self.size)): 0}
         kept = {i for i in ids if i}
         if kept:
@@ -266,7 +327,11 @@ class ProcessSetRegistry:
             if set_id not in self.ranks:
                 self._install(set_id, pset.ranks, self._build(set_id, pset.ranks))
                 self.objects[set_id] = pset
-            pset.process_set_id = set_id
+            first = self.objects.get(set_id)
+            if first is None or first is pset:
+                pset.process_set_id = set_id
+            else:  # equal sets share one registration: removing one invalidates them all
+                process_sets.share_id(pset, first)
 
     def _check_dynamic(self, what: str) -> None:
         if not self.parts.cfg.dynamic_process_sets:
@@ -297,34 +362,53 @@ class ProcessSetRegistry:
     def add(self, pset: ProcessSet) -> ProcessSet:
         """:func:`hvdlike.add_process_set` on this runtime (see there)."""
         self._check_dynamic("add_process_set")
-        if pset.process_set_id is not None:
-            raise ValueError(f"{pset!r} is already registered")
-        _check_ranks(pset, self.size, "add_process_set")
         with self.change_lock:
-            name = self._serial_name()
-            verdict = _disagreement("add_process_set()",
-                                    self._gather_everywhere(("add", pset.ranks), name))
-            if verdict:
-                raise ValueError(verdict)
-            if pset.ranks in self.ranks.values():
-                raise ValueError(f"add_process_set: a process set with ranks {pset.ranks} is "
-                                 f"already registered")
-            set_id = self._next_id_value()
-            state = self._build(set_id, pset.ranks)
-            try:
-                self._change(f"{name}.add", lambda: self._install(set_id, pset.ranks, state))
-            except BaseException:
-                if state is not None and self.states.get(set_id) is not state:
-                    state.close(0)
-                raise
+            return self._add(pset, ("add", pset.ranks), self._add_problem(pset))
+
+    def refuse_add(self, argument: Any, error: Exception) -> NoReturn:
+        """``add_process_set(argument)`` where ``argument`` could not become a
+        :class:`ProcessSet` (``error``): take part in the exchange so that every
+        rank raises, naming this one. Always raises (``error``'s type here)."""
+        self._check_dynamic("add_process_set")
+        with self.change_lock:
+            self._add(None, f"('add', {argument!r})", (type(error).__name__, str(error)))
+
+    def _add_problem(self, pset: ProcessSet) -> Problem:
+        """What makes ``pset`` impossible to add here, whatever the other ranks pass."""
+        set_id = process_sets.live_id(pset)
+        if set_id is not None:
+            return ("ValueError", f"{pset!r} is already registered (process set {set_id})")
+        return _ranks_problem(pset, self.size)
+
+    def _add(self, pset: Optional[ProcessSet], value: Any, problem: Problem) -> ProcessSet:
+        """The add protocol (``change_lock`` held): exchange, check, build, install."""
+        name = self._serial_name()
+        verdict = _refusal("add_process_set()", self._gather_everywhere((value, problem), name))
+        if verdict:
+            _raise_refusal(verdict, problem)
+        if pset.ranks in self.ranks.values():
+            raise ValueError(f"add_process_set: a process set with ranks {pset.ranks} is "
+                             f"already registered")
+        set_id = self._next_id_value()
+        state = self._build(set_id, pset.ranks)
+        try:
+            self._change(f"{name}.add", lambda: self._install(set_id, pset.ranks, state))
+        except BaseException:
+            if state is not None and self.states.get(set_id) is not state:
+                state.close(0)
+            raise
         pset.process_set_id = set_id
         self.objects[set_id] = pset
         return pset
 
     def remove(self, pset: ProcessSet) -> bool:
-        """:func:`hvdlike.remove_process_set` on this runtime (see there)."""
+        """:func:`hvdlike.remove_process_set` on this runtime (see there).
+
+        A set not registered in this runtime -- never, removed, or only by an
+        earlier runtime, whose id may now name another set -- is not removed.
+        """
         self._check_dynamic("remove_process_set")
-        set_id = pset.process_set_id
+        set_id = process_sets.live_id(pset)
         with self.change_lock:
             name = self._serial_name()
             verdict = _disagreement("remove_process_set()",
@@ -334,8 +418,8 @@ class ProcessSetRegistry:
             if set_id is None or set_id == 0 or set_id not in self.ranks:
                 return False
             self._change(f"{name}.remove", lambda: self._uninstall(set_id))
-        pset.process_set_id = None
-        self.objects.pop(set_id, None)
+        process_sets.drop_id(pset)
+        process_sets.drop_id(self.objects.pop(set_id, None))
         return True
 
     def _change(self, name: str, change: Callable[[], None]) -> None:

@@ -107,7 +107,10 @@ class Runtime:
         self._last_cycle = 0.0  # when the last cycle (any thread's) ended
         self._agreed_stop = False  # a user thread's cycle agreed on the shutdown
         self._callers = 0  # user threads in _cycle_until (the background thread keeps still)
-        self._here = threading.local()  # .held: this thread is inside cycles_here()
+        # .held: this thread is inside cycles_here(); .cycling: it runs a cycle now
+        self._here = threading.local()
+        self.forked = False  # this is a forked child's copy (see forked_child)
+        self.pid = os.getpid()
         self.waits = Waits()  # user threads blocked in wait(), for the deadlock check
         self._stopped = threading.Event()
         self._stop_error: Optional[HvdlikeInternalError] = None
@@ -386,8 +389,13 @@ class Runtime:
 
     def shutdown(self, timeout: Optional[float] = None) -> None:
         """Stop negotiating (every rank stops), fail what is pending, free everything."""
+        if self.forked:
+            return  # the parent's runtime: nothing here is this process's to stop
         if self._thread is None:
             self.close()
+            return
+        if getattr(self._here, "cycling", False):
+            self._shutdown_from_inside_a_cycle()
             return
         if not self._stopping and self.fatal is None and self.health is not None:
             self.health.announce("shut down (called shutdown() or its script ended)")
@@ -400,6 +408,54 @@ class Runtime:
         if self._stopped.wait(1.0):
             self.close()
 
+    def _shutdown_from_inside_a_cycle(self) -> None:
+        """``shutdown()`` from a signal handler or finalizer that interrupted this
+        thread in the middle of a negotiation cycle (a SIGTERM handler on a
+        preempted rank).
+
+        Waiting for the background thread here would wait for the interrupted
+        cycle, which cannot go on before the handler returns, and tearing the
+        parts down would pull them from under it. The shutdown is announced and
+        requested instead, and this returns at once: when the handler returns
+        the cycle goes on and the job stops at the next one (a pending
+        collective then fails, saying so); when it raises (``sys.exit()``) the
+        cycle ends there and the peers read this rank's announcement. A thread
+        of its own frees the parts once the background thread is done.
+        """
+        if not self._stopping and self.fatal is None and self.health is not None:
+            self.health.announce("shut down (called shutdown() or its script ended)")
+        self._stopping = True
+        for state in list(self.process_sets.values()):
+            state.queue.wakeup.set()
+        limit = self.config.gloo_timeout_seconds + 5
+
+        def close_when_stopped() -> None:
+            if self._stopped.wait(limit):
+                self.close()
+
+        threading.Thread(target=close_when_stopped, name="hvdlike-close", daemon=True).start()
+
+    def _interrupted(self, exc: BaseException) -> None:
+        """A cycle on this thread ended by an interrupt, ``sys.exit()`` or the like:
+        the ranks' control collectives are out of step, the job cannot go on.
+
+        After a ``shutdown()`` from a signal handler (then ``sys.exit()``) the
+        peers already read this rank's announcement: the exit is that shutdown.
+        """
+        if self._stopping and isinstance(exc, SystemExit) and self.fatal is None:
+            self.fatal = HvdlikeInternalError(f"rank {self.topology.rank}: {SHUT_DOWN}")
+            return
+        self.abort(f"{type(exc).__name__} in the middle of a negotiation cycle")
+
+    def forked_child(self) -> None:
+        """Make this copy, in a process forked from the rank that owns it, refuse work."""
+        self.forked = True
+        self.fatal = HvdlikeError(
+            f"this process was forked from rank {self.topology.rank} (pid {self.pid}) after "
+            f"init(): the runtime belongs to that process and cannot run collectives here "
+            f"(it would disturb the job). Communicate from the rank itself; rank(), size() "
+            f"and the other queries still answer here")
+
     def close(self) -> None:
         """Free everything this runtime holds (idempotent).
 
@@ -408,7 +464,7 @@ class Runtime:
         runtime <-> executor/health reference cycles so sockets and threads are
         released now, not whenever the cyclic GC runs.
         """
-        if self._closed:
+        if self._closed or self.forked:
             return
         if self._thread is not None and not self._stopped.is_set():
             return  # the background thread still owns the parts: shutdown() first
@@ -594,6 +650,8 @@ class Runtime:
         lock = self._cycle_lock
         if not lock.acquire(blocking=False):
             return None
+        here = self._here
+        here.cycling = True
         try:
             state = self._lone_global_set
             if state is None or not state.controller.idle or self.sets.has_changes():
@@ -619,11 +677,12 @@ class Runtime:
                 if isinstance(exc, Exception):
                     self._explain(exc)
                 else:
-                    self.abort(f"{type(exc).__name__} in the middle of a negotiation cycle")
+                    self._interrupted(exc)
                     raise
             finally:
                 self._last_cycle = time.monotonic()
         finally:
+            here.cycling = False
             lock.release()
         if self.fatal is not None or self._agreed_stop:
             queue.wakeup.set()  # the background thread tears down
@@ -632,6 +691,13 @@ class Runtime:
     def wait(self, handle: Handle, timeout: Optional[float] = None):
         if handle._done:
             return handle.wait()
+        if getattr(self._here, "cycling", False):
+            raise HvdlikeError(
+                f"collective {handle.name!r} was waited for by a signal handler or a finalizer "
+                f"(__del__, weakref.finalize) that interrupted this thread in the middle of "
+                f"hvdlike's negotiation cycle: the cycle cannot go on before the handler "
+                f"returns, so the collective could never complete. Set a flag in the handler "
+                f"and communicate after it returns (shutdown() may be called from a handler)")
         self.waits.enter()
         try:
             if timeout is None and self.caller_cycles and "mpi" not in self.engines:
@@ -721,6 +787,7 @@ class Runtime:
                     return
                 if not self._take_cycle_lock(handle):
                     return
+                self._here.cycling = True
                 try:
                     if handle._done or self.fatal is not None or self._agreed_stop:
                         return
@@ -735,12 +802,12 @@ class Runtime:
                         if isinstance(exc, Exception):
                             self._explain(exc)
                         else:
-                            self.abort(f"{type(exc).__name__} in the middle of a negotiation "
-                                       "cycle")
+                            self._interrupted(exc)
                             raise
                     finally:
                         self._last_cycle = time.monotonic()
                 finally:
+                    self._here.cycling = False
                     lock.release()
                 if self._agreed_stop or self.fatal is not None:
                     return
@@ -868,10 +935,12 @@ class Runtime:
                             break
                         if self._wants_cycle(pause):  # a user thread may have run it
                             cycled = True
+                            self._here.cycling = True
                             try:
                                 if self._cycle_all():
                                     break
                             finally:
+                                self._here.cycling = False
                                 self._last_cycle = time.monotonic()
                 idle = self._idle()
                 if cycled:

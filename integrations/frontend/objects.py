@@ -77,10 +77,12 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set
     data = _broadcast(data, root_rank, f"{name}.data", process_set)
     if failure is not None:
         raise failure
+    # The root rebuilds it too: an object that pickles but cannot be rebuilt then
+    # fails on every rank alike, not on all but the root.
     value = _unpickled(data.numpy().tobytes(), "broadcast_object", f"rank {root_rank}'s")
     if isinstance(value, _Unpicklable):
         value.raise_here("broadcast_object")
-    return value
+    return obj if me == root_rank else value  # the root's own object, as in Horovod
 
 
 def _unpickled(data: bytes, what: str, whose: str):

@@ -17,6 +17,7 @@ import numpy as np
 
 from hvdlike.core.messages import ReduceOp
 from hvdlike.core.process_sets import global_process_set
+from hvdlike.frontend.caller import deprecated_average
 from hvdlike.frontend.compression import Compressor, NoneCompressor  # noqa: F401 - re-exported
 from hvdlike.frontend.objects import allgather_object
 from hvdlike.frontend.submit import name_for
@@ -161,6 +162,7 @@ def reduce_op(average, op, what: str):
         if op is not None:
             raise ValueError(f"{FRONTEND}.{what}: pass either op or the deprecated average, "
                              f"not both")
+        deprecated_average(f"{FRONTEND}.{what}")
         return ReduceOp.AVERAGE if average else ReduceOp.SUM
     return ReduceOp.AVERAGE if op is None else op
 

@@ -160,11 +160,18 @@ def _initialize_state(optimizer, sparse_params) -> None:
 
     Every trainable parameter gets a zero gradient (sparse for SparseAdam and
     for the ``model``'s sparse embeddings) and the wrapped optimizer takes one
-    step -- never the distributed step, which would reduce.
+    step -- never the distributed step, which would reduce. That step must
+    not move the parameters: weight decay (``SGD(weight_decay=...)``,
+    ``AdamW``) shrinks them even on zero gradients, and on a rank resuming
+    next to a root that loaded its state from a checkpoint the parameters
+    broadcast just before would no longer match the root's. Their values are
+    put back after the step (Horovod leaves them moved).
     """
+    kept = []
     for group in optimizer.param_groups:
         for p in group["params"]:
             if p.requires_grad:
+                kept.append((p, p.detach().clone()))
                 p.grad = torch.zeros_like(p)
                 if isinstance(optimizer, torch.optim.SparseAdam) or id(p) in sparse_params:
                     p.grad = p.grad.to_sparse()
@@ -174,6 +181,9 @@ def _initialize_state(optimizer, sparse_params) -> None:
         _local_step(super(_Distributed, optimizer).step)
     else:
         _local_step(optimizer.step)
+    with torch.no_grad():
+        for p, value in kept:
+            p.copy_(value)
 
 
 def _local_step(step) -> None:

@@ -21,6 +21,7 @@ from hvdlike.core import api, collectives as core
 from hvdlike.core.handles import Handle
 from hvdlike.core.messages import ReduceOp
 from hvdlike.core.process_sets import global_process_set
+from hvdlike.frontend.caller import deprecated_average
 from hvdlike.frontend.compile_guard import eager, is_compiling, outside
 from hvdlike.frontend.submit import (  # noqa: F401  (shared by every front end)
     GroupHandle, barrier, join, name_for as _name, poll, run as _run_one,
@@ -41,6 +42,7 @@ def _reduce_op(average: Optional[bool], op: Any, what: str) -> ReduceOp:
     if average is not None:
         if op is not None:
             raise ValueError(f"{what}: pass either op or the deprecated average, not both")
+        deprecated_average(what)
         return Average if average else Sum
     return Average if op is None else op
 

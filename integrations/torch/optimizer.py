@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import sys
 import warnings
 import weakref
 from typing import Dict, Iterable, List, Optional, Tuple
@@ -41,6 +42,7 @@ from hvdlike.core import current as _current
 from hvdlike.core import shm_segment as _shm_segment
 from hvdlike.core.errors import NotInitializedError
 from hvdlike.core.process_sets import global_process_set
+from hvdlike.frontend.caller import user_stacklevel as _user_stacklevel
 from hvdlike.frontend.compile_guard import eager
 
 from . import buckets as _buckets
@@ -84,6 +86,8 @@ class _Distributed:
         # Per-parameter tables are keyed by id(p): a tensor's own __hash__ is a
         # Python call, and the hooks look parameters up hundreds of times a step.
         self._hvd_hooks: Dict[int, object] = {}
+        # id(p) -> name of the parameters a newer DistributedOptimizer took over
+        self._hvd_lost: Dict[int, str] = {}
         self._hvd_passes: Dict[int, int] = {}
         # id(p), ("group", index) or ("bucket", index) -> pending work
         self._hvd_handles: Dict[object, tuple] = {}
@@ -129,6 +133,12 @@ class _Distributed:
         self._hvd_register_all()
         cut = len(self._hvd_prefix)
         return {p: name[cut:] for p, name in self._hvd_names.items()}
+
+    @property
+    def backward_passes_per_step(self) -> int:
+        """Backward passes accumulated per reduction (Horovod's attribute; change it
+        with :meth:`set_backward_passes_per_step`)."""
+        return self._hvd_k
 
     def _hvd_params(self) -> Iterable[Tuple[int, int, torch.Tensor]]:
         for gi, group in enumerate(self.param_groups):
@@ -242,16 +252,24 @@ class _Distributed:
         self._hvd_start(p)  # its own gather; the bucket slot travels as zeros
         return None
 
-    def _hvd_due(self, start, what, cpu: bool) -> None:
+    def _hvd_due(self, start, what, cpu: bool, witness: torch.Tensor) -> None:
         """``start(what)`` now, or at synchronize() for a CPU reduction held back
-        (see :func:`_overlaps_cpu`)."""
+        (see :func:`_overlaps_cpu`).
+
+        A held-back reduction notes one of its parameters' gradients and that
+        gradient's version: changed when the reduction starts, user code
+        changed the gradients between backward and synchronization (see
+        :meth:`_hvd_warn_changed`).
+        """
         if self._hvd_defer and cpu:
-            self._hvd_deferred.append((start, what))
+            grad = witness.grad
+            self._hvd_deferred.append(
+                (start, what, witness, grad, None if grad is None else grad._version))
         else:
             start(what)
 
     def _hvd_launch_bucket(self, bucket: _buckets.Bucket) -> None:
-        self._hvd_due(self._hvd_start_bucket, bucket, bucket.flat.is_cpu)
+        self._hvd_due(self._hvd_start_bucket, bucket, bucket.flat.is_cpu, bucket.members[0])
 
     def _hvd_start_bucket(self, bucket: _buckets.Bucket) -> None:
         bucket.pack(self._hvd_sparse_in_bucket)
@@ -311,7 +329,7 @@ class _Distributed:
         return p.grad
 
     def _hvd_launch(self, p: torch.Tensor) -> None:
-        self._hvd_due(self._hvd_start, p, p.is_cpu)
+        self._hvd_due(self._hvd_start, p, p.is_cpu, p)
 
     def _hvd_start(self, p: torch.Tensor) -> None:
         name = self._hvd_names[p]
@@ -329,7 +347,8 @@ class _Distributed:
         self._hvd_handles[id(p)] = ("dense", handle, compressed, (p, ctx))
 
     def _hvd_launch_group(self, gi: int) -> None:
-        self._hvd_due(self._hvd_start_group, gi, self._hvd_groups[gi][0].is_cpu)
+        members = self._hvd_groups[gi]
+        self._hvd_due(self._hvd_start_group, gi, members[0].is_cpu, members[0])
 
     def _hvd_start_group(self, gi: int) -> None:
         members = self._hvd_groups[gi]
@@ -350,6 +369,8 @@ class _Distributed:
         ``step()`` inside :meth:`skip_synchronize`. A no-op when no backward
         pass ran since the last synchronization.
         """
+        if self._hvd_lost:
+            self._hvd_refuse_lost()
         self._hvd_register_all()  # parameters unfrozen or added since
         if self._hvd_included and self._hvd_open():
             deferred, self._hvd_deferred = self._hvd_deferred, []
@@ -371,9 +392,47 @@ class _Distributed:
         # step() must synchronize without warning.
         self._hvd_synchronized = True
 
+    def _hvd_warn_changed(self, name: str) -> None:
+        """Warn that gradients changed between backward and a held-back reduction.
+
+        Reductions held back to synchronize() (no idle core) reduce what the
+        gradients hold then: clipping or unscaling done before synchronize()
+        is averaged across ranks -- right for a scaling, not for clipping --
+        where on a host with an idle core, or a GPU, the same script is
+        refused (see :func:`_refuse_late_change`). Warned, not refused: the
+        plain forms of linear changes have always worked here.
+        """
+        warnings.warn(
+            f"DistributedOptimizer: the gradient of {name!r} was changed after backward() and "
+            f"before optimizer.synchronize() (in place, or replaced): the ranks average the "
+            f"changed gradients, which differs from changing the average for anything but a "
+            f"scaling (clip_grad_norm_ clips each rank's gradient, not the average), and "
+            f"where reductions start during backward (a GPU, HVDLIKE_CPU_OVERLAP=1) this is "
+            f"an error. Change gradients after the reduction: optimizer.synchronize(); change "
+            f"them; then with optimizer.skip_synchronize(): optimizer.step()",
+            stacklevel=_user_stacklevel())
+
+    def _hvd_refuse_lost(self) -> None:
+        """Raise when a newer DistributedOptimizer reduces some of our parameters."""
+        mine = {id(p) for _, _, p in self._hvd_params()}
+        lost = [name for key, name in self._hvd_lost.items() if key in mine]
+        if lost:
+            more = f" and {len(lost) - 1} more" if len(lost) > 1 else ""
+            raise RuntimeError(
+                f"DistributedOptimizer: the gradients of {lost[0]!r}{more} are reduced by a "
+                f"newer DistributedOptimizer wrapped around the same parameters; this older "
+                f"one would step on local, unreduced gradients and the ranks would drift "
+                f"apart. Step the newer optimizer: each parameter belongs to the "
+                f"DistributedOptimizer wrapped around it last")
+        self._hvd_lost = {}  # removed from this optimizer's groups since
+
     def _hvd_finish(self, deferred: List[tuple]) -> None:
         """synchronize()'s work: start what is held back or not started, wait for all."""
-        for start, what in deferred:  # in the order backward produced them
+        for start, what, p, grad, version in deferred:  # in the order backward produced them
+            if p.grad is not grad or (grad is not None and grad._version != version):
+                self._hvd_warn_changed(self._hvd_names.get(p, "a parameter"))
+                break
+        for start, what, *_ in deferred:
             start(what)
         launched_groups = {k[1] for k in self._hvd_handles if isinstance(k, tuple)
                            and k[0] == "group"}
@@ -490,6 +549,8 @@ class _Distributed:
                               "context after optimizer.synchronize(): the second "
                               "synchronization is a no-op; wrap step() in "
                               "skip_synchronize() to say so", stacklevel=2)
+            elif self._hvd_open() and _unscaled_by_grad_scaler(self):
+                self._hvd_unscaled_first()
             self.synchronize()
         elif self._hvd_open():
             warnings.warn("DistributedOptimizer.step() inside skip_synchronize() after a "
@@ -509,6 +570,34 @@ class _Distributed:
             return super().step(closure)
         finally:
             self._hvd_synchronized = False
+
+    def _hvd_unscaled_first(self) -> None:
+        """``scaler.step(optimizer)`` unscaled this round's gradients before their reduction.
+
+        Reductions already under way (started during backward) reduce the
+        scaled gradients and their results replace the unscaled ones: the step
+        would be ``scale`` times too large. ``unscale_`` writes without bumping
+        the gradients' versions, so :func:`_refuse_late_change` cannot see it;
+        the scaler's own record of the optimizer's stage does. Held back to
+        synchronize(), the reductions average unscaled gradients (right), but
+        a rank whose own gradients overflowed skips ``step()`` while the others
+        wait in it: warned.
+        """
+        started = bool(self._hvd_handles)
+        message = (
+            "DistributedOptimizer stepped by GradScaler.step(optimizer) without "
+            "optimizer.synchronize() first: the scaler unscaled each rank's gradients before "
+            "their reduction{what}. Use: scaler.scale(loss).backward(); "
+            "optimizer.synchronize(); scaler.unscale_(optimizer); (clip); with "
+            "optimizer.skip_synchronize(): scaler.step(optimizer); scaler.update()")
+        if started:
+            raise RuntimeError(message.format(
+                what=" -- the reductions already under way would replace them with the scaled "
+                     "average and the step would be scale times too large"))
+        warnings.warn(message.format(
+            what=", and a rank whose own gradients hold inf/NaN skips step() while the "
+                 "others wait for it; where reductions start during backward (a GPU, "
+                 "HVDLIKE_CPU_OVERLAP=1) this is an error"), stacklevel=_user_stacklevel())
 
     step.hooked = True  # torch's profiling wrapper already wraps the base class's step
     # Graph breaks under torch.compile (see hvdlike.frontend.compile_guard).
@@ -603,6 +692,21 @@ def _usable_cpus() -> int:
     return len(_shm_segment.affinity())
 
 
+def _unscaled_by_grad_scaler(optimizer) -> bool:
+    """Whether ``optimizer.step()`` is being called by a ``GradScaler.step`` that
+    unscaled the gradients first (the scaler's per-optimizer stage says so)."""
+    frame = sys._getframe(2)
+    for _ in range(6):  # the scaler's _maybe_opt_step, our compile guard, step()
+        if frame is None:
+            return False
+        if frame.f_code.co_name == "_maybe_opt_step":
+            state = frame.f_locals.get("optimizer_state")
+            stage = state.get("stage") if isinstance(state, dict) else None
+            return getattr(stage, "name", None) == "UNSCALED"
+        frame = frame.f_back
+    return False
+
+
 def _refuse_late_change(bucket: _buckets.Bucket) -> None:
     """Raise when a gradient the bucket packed during backward changed before step()."""
     name = bucket.changed_since_pack()
@@ -638,6 +742,8 @@ def _take_over(p: torch.Tensor, optimizer: _Distributed,
         previous = old_ref()
         if previous is not None and previous is not optimizer:
             previous._hvd_hooks.pop(id(p), None)
+            # Stepping the old one now would step on local, unreduced gradients.
+            previous._hvd_lost.setdefault(id(p), previous._hvd_names.get(p, "a parameter"))
     ref = weakref.ref(optimizer)
 
     if where is None:

@@ -78,24 +78,32 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         ctx.process_set = process_set
         ctx.name = name
         ctx.has_bias = bias is not None
+        ctx.bias_dtype = None if bias is None else bias.dtype
         return out
 
     @staticmethod
     def backward(ctx, dy):
         x_hat, weight, invstd_x = ctx.saved_tensors
+        # Half-precision sums over a batch overflow (65504 in float16): sum,
+        # reduce and combine in float32, as torch's own batch norm kernels do.
+        work = torch.float32 if dy.dtype in (torch.float16, torch.bfloat16) else dy.dtype
+        dy_w, x_hat = dy.to(work), x_hat.to(work)
         dims = [0] + list(range(2, dy.dim()))
-        sum_dy = dy.sum(dims)
-        sum_dy_xhat = (dy * x_hat).sum(dims)
+        sum_dy = dy_w.sum(dims)
+        sum_dy_xhat = (dy_w * x_hat).sum(dims)
         grad_x = None
         if ctx.needs_input_grad[0]:
             both = ops.allreduce(torch.cat([sum_dy, sum_dy_xhat]), name=f"{ctx.name}.grad",
                                  op=ops.Sum, process_set=ctx.process_set)
             g_dy, g_dy_xhat = both.chunk(2)
-            w = _per_channel(weight, dy) if weight is not None else 1.0
-            grad_x = (w * invstd_x) * (dy - _per_channel(g_dy, dy) / ctx.total
-                                       - x_hat * _per_channel(g_dy_xhat, dy) / ctx.total)
-        grad_w = sum_dy_xhat if weight is not None and ctx.needs_input_grad[1] else None
-        grad_b = sum_dy if ctx.has_bias and ctx.needs_input_grad[2] else None
+            w = _per_channel(weight.to(work), dy) if weight is not None else 1.0
+            grad_x = (w * invstd_x.to(work)) * (
+                dy_w - _per_channel(g_dy, dy) / ctx.total
+                - x_hat * _per_channel(g_dy_xhat, dy) / ctx.total)
+            grad_x = grad_x.to(dy.dtype)
+        grad_w = (sum_dy_xhat.to(weight.dtype)
+                  if weight is not None and ctx.needs_input_grad[1] else None)
+        grad_b = sum_dy.to(ctx.bias_dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_x, grad_w, grad_b, None, None, None, None, None, None
 
 

@@ -43,6 +43,10 @@ def _adasum(np_):
     check("inplace", inplace, reference([_inputs(i, (5,)) for i in range(n)]))
     scaled = hvd.allreduce(a, op=hvd.Adasum, prescale_factor=2.0, postscale_factor=0.25)
     check("scaled", scaled, reference([2 * _inputs(i, (5,)) for i in range(n)]) * 0.25)
+    # Changes this small keep the coefficient 1 (Horovod's 1e-8 threshold on the
+    # squared norm): equal tiny vectors add up instead of averaging.
+    tiny = torch.full((4,), 1e-5, dtype=torch.float64)
+    check("tiny", hvd.allreduce(tiny, op=hvd.Adasum), tiny * n, 1e-18)
     half = hvd.allreduce(a.half(), op=hvd.Adasum)
     check("half", half, reference([_inputs(i, (5,)).half() for i in range(n)]), 5e-3)
     # Every rank holds the same bits.

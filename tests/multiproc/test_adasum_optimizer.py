@@ -55,8 +55,8 @@ def _pair(a, b):
     a64, b64 = a.double().reshape(-1), b.double().reshape(-1)
     dot = float(a64 @ b64)
     aa, bb = float(a64 @ a64), float(b64 @ b64)
-    ca = 1.0 - dot / (2.0 * aa) if aa > 0 else 1.0
-    cb = 1.0 - dot / (2.0 * bb) if bb > 0 else 1.0
+    ca = 1.0 - dot / (2.0 * aa) if aa >= 1e-8 else 1.0  # Horovod's threshold
+    cb = 1.0 - dot / (2.0 * bb) if bb >= 1e-8 else 1.0
     return (ca * a64 + cb * b64).reshape(a.shape)
 
 

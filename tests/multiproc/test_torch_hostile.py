@@ -414,6 +414,10 @@ def _objects_that_do_not_unpickle():
         "allgather": _outcome(lambda: hvd.allgather_object(_FailsToRebuild() if r == 1 else r)),
         "after": hvd.allgather_object(r),
     }
+    mine = {"k": [1, 2]}
+    back = hvd.broadcast_object(mine if r == 0 else None, root_rank=0)
+    # The root gets its own object back (Horovod's identity), the others an equal copy.
+    report["root object"] = back is mine if r == 0 else back == mine
     hvd.shutdown()
     return report
 
@@ -429,7 +433,7 @@ def test_an_object_that_cannot_be_rebuilt_is_named_as_such_on_every_rank():
             "allgather": "RuntimeError: allgather_object: rank 1's object could not be "
                          "unpickled on this rank: ValueError: invalid literal for int() with "
                          "base 10: 'not a number'",
-            "after": [0, 1]}, report
+            "after": [0, 1], "root object": True}, report
 
 
 def _differing_state_dicts():

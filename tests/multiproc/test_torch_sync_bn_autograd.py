@@ -103,6 +103,23 @@ def _run():
           lambda x: torch.cat(hvd.grouped_allreduce([x[:1], x[1:] * 2], op=hvd.Sum)),
           lambda f: [torch.cat([sum(t[:1] for t in f), sum(t[1:] * 2 for t in f)])] * n)
     out["no_grad_plain"] = not hvd.allreduce(torch.ones(2)).requires_grad
+
+    # -- half precision: per-channel sums of dy far above float16's 65504
+    gh = torch.Generator().manual_seed(9)
+    full = torch.randn(4 * n, 2, 16, 16, generator=gh)
+    dy_full = torch.randn(4 * n, 2, 16, 16, generator=gh) + 40.0  # sum(dy) ~ 40 * 1024 * n
+    half = hvd.SyncBatchNorm(2, name="half").half()
+    xh = full[4 * r:4 * (r + 1)].half().requires_grad_(True)
+    half(xh).backward(dy_full[4 * r:4 * (r + 1)].half())
+    xf = full.clone().requires_grad_(True)
+    torch.nn.functional.batch_norm(xf, None, None, torch.ones(2), torch.zeros(2), True, 0.1,
+                                   1e-5).backward(dy_full)
+    out["half.finite"] = bool(torch.isfinite(xh.grad).all()
+                              and torch.isfinite(half.weight.grad).all()
+                              and torch.isfinite(half.bias.grad).all())
+    out["half.dtypes"] = (xh.grad.dtype, half.weight.grad.dtype, half.bias.grad.dtype)
+    out["half.err"] = float((xh.grad.float() - xf.grad[4 * r:4 * (r + 1)]).abs().max()
+                            / xf.grad.abs().max())
     hvd.shutdown()
     return out
 
@@ -127,3 +144,12 @@ def test_collective_gradients_match_single_process_autograd(results, label):
     for out in results:
         assert out[label] < 1e-12, (label, out[label])
     assert results[0]["no_grad_plain"]
+
+
+def test_half_precision_backward_sums_in_float32(results):
+    # The per-channel sums of dy reach ~80k here: taken in float16 they overflow
+    # to inf and every input gradient became inf.
+    for out in results:
+        assert out["half.finite"], out
+        assert out["half.dtypes"] == (torch.float16,) * 3
+        assert out["half.err"] < 2e-2, out["half.err"]

@@ -10,8 +10,9 @@ def _formula(a, b):
     """The published pairwise rule, written out independently in float64."""
     a, b = a.double().flatten(), b.double().flatten()
     dot = (a * b).sum()
-    ca = 1 - dot / (2 * (a * a).sum()) if (a * a).sum() > 0 else 1.0
-    cb = 1 - dot / (2 * (b * b).sum()) if (b * b).sum() > 0 else 1.0
+    # Horovod's threshold: a squared norm below 1e-8 keeps the coefficient 1.
+    ca = 1 - dot / (2 * (a * a).sum()) if (a * a).sum() >= 1e-8 else 1.0
+    cb = 1 - dot / (2 * (b * b).sum()) if (b * b).sum() >= 1e-8 else 1.0
     return ca * a + cb * b
 
 
@@ -31,6 +32,18 @@ def test_zero_vector_is_neutral():
     assert torch.equal(combine(a, torch.zeros(2)), a)
     assert torch.equal(combine(torch.zeros(2), a), a)
     assert torch.equal(combine(torch.zeros(2), torch.zeros(2)), torch.zeros(2))
+
+
+def test_tiny_vectors_are_summed_as_in_horovod():
+    # Squared norms below 1e-8 keep their coefficient 1: two equal tiny
+    # changes add up (the rule would average them), as Horovod computes.
+    a = torch.full((4,), 1e-5, dtype=torch.float64)  # squared norm 4e-10
+    assert torch.equal(combine(a, a), 2 * a)
+    big = torch.full((4,), 1e-3, dtype=torch.float64)  # squared norm 4e-6: the rule applies
+    assert torch.allclose(combine(big, big), big)
+    # one tiny, one not: only the tiny one keeps 1
+    assert torch.allclose(combine(a, big), _formula(a, big))
+    assert torch.allclose(combine(a, big), a + (1 - float(a @ big) / (2 * float(big @ big))) * big)
 
 
 def test_combine_matches_formula_and_keeps_shape_and_dtype():

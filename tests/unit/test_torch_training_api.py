@@ -298,7 +298,7 @@ def test_deferred_reductions_start_at_step_in_hook_order(bucket_per_gradient, mo
         F.mse_loss(ref(x), y).backward()
     assert opt._hvd_handles == {}
     # backward produces the last layer's gradients first; they are started first
-    assert [p for _, p in opt._hvd_deferred] == [m[2].bias, m[2].weight, m[0].bias, m[0].weight]
+    assert [entry[1] for entry in opt._hvd_deferred] == [m[2].bias, m[2].weight, m[0].bias, m[0].weight]
     with pytest.raises(RuntimeError, match="before step"):
         opt.zero_grad()
     opt.step()
@@ -335,7 +335,12 @@ def test_rewrapping_the_same_parameters_leaves_one_active_hook(bucket_per_gradie
     _loss(m).backward()
     assert first._hvd_handles == {} and len(second._hvd_handles) == 4
     second.step()
-    first.step()  # no open round on the old optimizer: nothing to reduce, no hang
+    # Stepping the old one would step on local gradients: refused, naming why,
+    # before it moves anything.
+    before = [p.detach().clone() for p in m.parameters()]
+    with pytest.raises(RuntimeError, match="newer DistributedOptimizer wrapped around the same"):
+        first.step()
+    assert all(torch.equal(p, b) for p, b in zip(m.parameters(), before))
 
 
 def test_amp_grad_scaler_recipe():
@@ -512,3 +517,122 @@ def test_gradient_as_bucket_view_false_copies_into_own_tensors():
     opt.step()
     assert not any(_are_views(bucket))
     assert all(p.grad is g for p, g in zip(bucket.members, own))
+
+
+# -- gradients changed between backward and the reduction ---------------------------------
+
+def _half_step(m, opt, scaler):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = _loss(m)
+    scaler.scale(loss).backward()
+
+
+@pytest.mark.parametrize("buckets", [True, False])
+def test_plain_grad_scaler_step_is_refused_once_reductions_run(buckets, monkeypatch):
+    # Reductions started in backward carry the scaled gradients; GradScaler's
+    # unscale_ then changes the local ones without bumping their versions, and
+    # the reduced (still scaled) values would replace them: a step scale times
+    # too large. Refused before anything moves.
+    if not buckets:
+        monkeypatch.setattr(buckets_module, "LARGE_GRADIENT_BYTES", 0)
+    m = _model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                   named_parameters=m.named_parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    _half_step(m, opt, scaler)
+    before = [p.detach().clone() for p in m.parameters()]
+    with pytest.raises(RuntimeError, match="scale times too large"):
+        scaler.step(opt)
+    assert all(torch.equal(p, b) for p, b in zip(m.parameters(), before))
+
+
+def test_plain_grad_scaler_step_warns_where_reductions_wait_for_step(monkeypatch):
+    monkeypatch.setattr(optimizer_module, "_overlaps_cpu", lambda: False)
+    m, ref = _model(), _model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                   named_parameters=m.named_parameters())
+    plain = torch.optim.SGD(ref.parameters(), lr=0.1)
+    torch.manual_seed(4)
+    x, y = torch.randn(5, 3), torch.randn(5, 1)
+    for model, optimizer in ((m, opt), (ref, plain)):
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        scaler.scale(F.mse_loss(model(x), y)).backward()
+        if optimizer is opt:
+            with pytest.warns(UserWarning, match="GradScaler.step\\(optimizer\\) without") as rec:
+                scaler.step(optimizer)
+            assert rec[0].filename == __file__  # the user's line, not torch's or ours
+        else:
+            scaler.step(optimizer)
+    for a, b in zip(m.parameters(), ref.parameters()):
+        assert torch.equal(a, b)  # one rank, unscaled before the reduction: still right
+
+
+def test_grad_scaler_recipe_neither_warns_nor_raises(recwarn):
+    m = _model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                   named_parameters=m.named_parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    _half_step(m, opt, scaler)
+    opt.synchronize()
+    scaler.unscale_(opt)
+    with opt.skip_synchronize():
+        scaler.step(opt)
+    scaler.update()
+    assert not [w for w in recwarn if "DistributedOptimizer" in str(w.message)]
+
+
+def test_clipping_before_the_held_back_reduction_warns(monkeypatch, recwarn):
+    # Held back to step() (no idle core), the reduction averages the clipped
+    # gradients: not what clipping the average gives, and refused elsewhere.
+    monkeypatch.setattr(optimizer_module, "_overlaps_cpu", lambda: False)
+    m = _model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                   named_parameters=m.named_parameters())
+    _loss(m).backward()
+    torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm=1e-3)
+    with pytest.warns(UserWarning, match="changed after backward\\(\\) and before") as rec:
+        opt.step()
+    assert rec[0].filename == __file__
+    # The recipe: synchronize first, then clip -- no warning.
+    opt.zero_grad()
+    _loss(m).backward()
+    opt.synchronize()
+    torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm=1e-3)
+    with opt.skip_synchronize():
+        opt.step()
+    assert not [w for w in recwarn if "changed after backward" in str(w.message)]
+
+
+# -- small fidelity points -------------------------------------------------------------------
+
+def test_backward_passes_per_step_is_readable_as_in_horovod():
+    m = _model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                   named_parameters=m.named_parameters(),
+                                   backward_passes_per_step=3)
+    assert opt.backward_passes_per_step == 3
+    opt.set_backward_passes_per_step(2)
+    assert opt.backward_passes_per_step == 2
+
+
+def test_average_argument_warns_as_deprecated_at_the_callers_line():
+    with pytest.warns(DeprecationWarning, match="average argument is deprecated") as rec:
+        out = hvd.allreduce(torch.ones(2), average=False, name="deprecated.avg")
+    assert rec[0].filename == __file__
+    assert torch.equal(out, torch.ones(2))
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.5),
+    lambda ps: torch.optim.AdamW(ps, lr=0.1, weight_decay=0.5),
+])
+def test_broadcast_optimizer_state_does_not_move_parameters(make):
+    # A fresh optimizer gets its state from one local step on zero gradients;
+    # with weight decay that step shrank the parameters, so on a rank resuming
+    # next to a root that loaded its state they no longer matched the root's.
+    m = _model()
+    opt = hvd.DistributedOptimizer(make(m.parameters()), named_parameters=m.named_parameters())
+    before = [p.detach().clone() for p in m.parameters()]
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    assert all(torch.equal(p, b) for p, b in zip(m.parameters(), before))
+    assert len(opt.state_dict()["state"]) == len(before)  # the state exists now
