@@ -189,8 +189,13 @@ class SampleLog:
             with os.fdopen(open_output_file(path), "w") as f:  # no link followed
                 f.write(",".join(CSV_HEADER) + "\n")
         except OSError as exc:
-            raise ConfigError(f"HVDLIKE_AUTOTUNE_LOG={path!r}: cannot write the autotune "
-                             f"log: {exc.strerror or exc}") from None
+            from .config import KNOBS_BY_FIELD, lookup
+
+            knob = KNOBS_BY_FIELD["autotune_log"]
+            found = lookup(os.environ, knob)
+            name = found[0] if found is not None and found[1] == path else knob.env
+            raise ConfigError(f"{name}={path!r}: cannot write the autotune log: "
+                              f"{exc.strerror or exc}") from None
 
     def row(self, sample, candidate: Candidate, score, nbytes, seconds, kind: str) -> None:
         if self.path is None:

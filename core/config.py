@@ -47,6 +47,12 @@ MAX_SECONDS = 1e8
 overflow the clocks of the engines underneath (Python's locks, Gloo, TCPStore)."""
 
 
+MAX_INT = 2**63 - 1
+"""The largest value an integer knob accepts: Horovod reads them as 64-bit integers,
+and hvdlike packs some into 64-bit fields (the autotuner's decision carries the
+fusion threshold to every rank as one)."""
+
+
 _INT_TEXT = re.compile(r"[+-]?[0-9]+")
 _FLOAT_TEXT = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
 
@@ -71,6 +77,7 @@ _STRICT = {int: strict_int, float: strict_float}
 
 def _non_negative(kind: Callable[[str], Any], what: str,
                   most: Optional[float] = None) -> Callable[[str], Any]:
+    integer = kind is int and most is None
     kind = _STRICT.get(kind, kind)
 
     def parse(text: str) -> Any:
@@ -78,6 +85,8 @@ def _non_negative(kind: Callable[[str], Any], what: str,
             value = kind(text.strip())
         except ValueError:
             raise ValueError(what) from None
+        if integer and value > MAX_INT:
+            raise ValueError(f"{what}, at most {MAX_INT} (2**63 - 1)")
         # nan compares false with everything: check it is a finite number in range.
         if not (0 <= value < math.inf) or (most is not None and value > most):
             raise ValueError(what)
@@ -161,7 +170,8 @@ def auto_bool(text: str) -> Optional[bool]:
         raise ValueError("auto or a boolean (1/0, true/false, yes/no, on/off)") from None
 
 
-def _string(text: str) -> str:
+def _file_path(text: str) -> str:
+    """A file a rank writes; empty: none (a blank value is refused by :func:`load`)."""
     return text
 
 
@@ -171,18 +181,23 @@ def _affinity(text: str) -> str:
         return ""
     for item in text.split(","):
         try:
-            core = int(item.strip())
+            core = strict_int(item)
         except ValueError:
             core = -1
-        if core < 0:
+        if not 0 <= core <= MAX_INT:
             raise ValueError("comma-separated core ids >= 0, one per local rank")
     return ",".join(item.strip() for item in text.split(","))
 
 
 def _timeline_path(text: str) -> str:
+    """A timeline file (``DYNAMIC``: none until ``start_timeline()``)."""
     from .timeline import configured_path
 
     return configured_path(text)
+
+
+_PATHS = (_file_path, _timeline_path)
+BLANK_PATH = "a file path (empty for none), not only white space"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,6 +236,11 @@ class Knob:
     def fallback_env(self) -> str:
         return FALLBACK_PREFIX + (self.env_name or self.field.upper())
 
+    @property
+    def is_path(self) -> bool:
+        """Whether the knob names a file a rank writes (timeline, autotune log)."""
+        return self.parse in _PATHS
+
 
 MIB = 1024 * 1024
 
@@ -254,7 +274,7 @@ KNOBS = (
     Knob("autotune", False, _parse_bool,
          "tune fusion threshold and cycle time while training",
          flag="--autotune"),
-    Knob("autotune_log", "", _string,
+    Knob("autotune_log", "", _file_path,
          "CSV file rank 0 writes every autotune sample to",
          flag="--autotune-log-file"),
     Knob("autotune_warmup_samples", 3, _non_negative(int, "an integer >= 0"),
@@ -279,7 +299,8 @@ KNOBS = (
          "warn when some ranks wait this long for others to submit a tensor",
          flag="--stall-check-warning-time-seconds"),
     Knob("stall_shutdown_time_seconds", 0.0, _duration("seconds >= 0 (0 = never)", positive=False),
-         "raise on every rank after a stall this long (0 = never)",
+         "raise on every rank after a stall this long (0 = never; as in Horovod, a time below "
+         "HVDLIKE_STALL_CHECK_TIME_SECONDS also means never, with a warning)",
          flag="--stall-check-shutdown-time-seconds"),
     Knob("deadlock_time_seconds", 30.0, _duration("seconds >= 0 (0 = never)", positive=False),
          "raise on every rank when every rank of a group has waited this long on collectives "
@@ -402,6 +423,32 @@ def lookup(environ: Mapping[str, str], knob: Knob) -> Optional[tuple]:
     return None
 
 
+def variable_of(cfg: Config, field: str, environ: Mapping[str, str]) -> str:
+    """The variable that gave ``cfg`` its ``field`` as the user spelled it
+    (``HOROVOD_*`` when that one did), else the ``HVDLIKE_*`` name."""
+    knob = KNOBS_BY_FIELD[field]
+    found = lookup(environ, knob)
+    if found is not None:
+        try:
+            if knob.parse(found[1]) == getattr(cfg, field):
+                return found[0]
+        except ValueError:
+            pass
+    return knob.env
+
+
+def _check_override(knob: Knob, value: Any) -> None:
+    """An ``init()`` argument: integers and paths get their variable's checks."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        try:
+            knob.parse(str(value))
+        except ValueError as exc:
+            raise ConfigError(f"init: {knob.field}={value!r} is not valid: expected {exc}") \
+                from None
+    if knob.is_path and isinstance(value, str) and value and not value.strip():
+        raise ConfigError(f"init: {knob.field}={value!r} is not valid: expected {BLANK_PATH}")
+
+
 def load(environ: Mapping[str, str], **overrides: Any) -> Config:
     """Build a :class:`Config` from ``environ`` (HVDLIKE_* first, then HOROVOD_*).
 
@@ -419,6 +466,9 @@ def load(environ: Mapping[str, str], **overrides: Any) -> Config:
             continue
         name, text = found
         try:
+            if knob.is_path and text and not text.strip():
+                # Not a file named " ": a slip (an empty value means none).
+                raise ValueError(BLANK_PATH)
             values[knob.field] = knob.parse(text)
         except ValueError as exc:
             raise ConfigError(
@@ -427,5 +477,7 @@ def load(environ: Mapping[str, str], **overrides: Any) -> Config:
     unknown = set(overrides) - set(KNOBS_BY_FIELD)
     if unknown:
         raise ConfigError(f"unknown setting(s): {', '.join(sorted(unknown))}")
+    for field, value in overrides.items():
+        _check_override(KNOBS_BY_FIELD[field], value)
     values.update(overrides)
     return Config(**values)

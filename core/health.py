@@ -10,7 +10,9 @@ that talks only to the store (through its own connection):
   unresponsive; a tensor that some ranks wait on and others have not
   submitted for ``HVDLIKE_STALL_CHECK_TIME_SECONDS`` is logged with the
   missing ranks; after ``HVDLIKE_STALL_SHUTDOWN_TIME_SECONDS`` rank 0 posts an
-  abort message that every rank turns into a :class:`StallError`;
+  abort message that every rank turns into a :class:`StallError` (a shutdown
+  time below the check time shuts nothing down, as in Horovod: rank 0 warns
+  once that it will not, see :func:`shutdown_after`);
 * a rank blocked in a wait with nothing submitted or completed since says so
   with everything it has pending; when every rank of a group is stuck on
   names that only other stuck ranks could complete (:mod:`.deadlock`) for
@@ -42,9 +44,9 @@ import os
 import queue
 import threading
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from . import deadlock
+from . import config, deadlock
 from .errors import DeadlockError, HvdlikeInternalError, StallError
 from .store_auth import StoreTamperedError
 from .log import logger
@@ -53,6 +55,29 @@ MAX_NAMES = 8  # per report line; the rest is summarised as a count
 STORE_LOST_SECONDS = 5.0  # unreachable this long (and 5 intervals): its host is gone
 PEER_QUIET_SECONDS = 5.0  # rank 0 at an abort: a peer silent this long is not waited for
 STORE_ANSWER_SECONDS = 2.0  # a store request unanswered this long (and 3 intervals) is hung
+
+
+def shutdown_after(cfg, environ: Mapping[str, str] = os.environ) -> Tuple[float, str, str]:
+    """``(seconds, variable, warning)``: how long a stall lasts before it shuts the
+    job down (0: never), the variable that set it as spelled in ``environ``, and
+    what to warn about when the time set is not used ('' when it is).
+
+    As in Horovod, a shutdown time below the stall check time shuts nothing
+    down: stalls are still reported and the job carries on.
+    """
+    limit = cfg.stall_shutdown_time_seconds
+    name = config.variable_of(cfg, "stall_shutdown_time_seconds", environ)
+    check = cfg.stall_check_time_seconds
+    if cfg.stall_check_disable or not 0 < limit < check:
+        return limit, name, ""
+    check_set = config.variable_of(cfg, "stall_check_time_seconds", environ)
+    if config.lookup(environ, config.KNOBS_BY_FIELD["stall_check_time_seconds"]) is None:
+        check_set = f"{check_set} ({check:g}, its default)"
+    else:
+        check_set = f"{check_set}={check:g}"
+    return 0.0, name, (f"{name}={limit:g} is less than {check_set}, so a stall will be "
+                       f"reported but will not shut the job down; set it to at least "
+                       f"{check:g} for that")
 
 
 def exited_key(rank: int) -> str:
@@ -213,6 +238,9 @@ class Health:
         self.cfg = cfg
         self.interval = min(1.0, cfg.stall_check_time_seconds / 4.0)
         self.stall_enabled = not cfg.stall_check_disable
+        self.shutdown_seconds, self._shutdown_name, ignored = shutdown_after(cfg)
+        if ignored and rank == 0:  # rank 0 alone inspects stalls
+            logger.warning("%s", ignored)
         self.deadlock_after = cfg.deadlock_time_seconds
         self._blocked_since = blocked_since
         self._joins = joins
@@ -425,10 +453,10 @@ class Health:
                 now - self._last_stall_report >= self.cfg.stall_check_time_seconds:
             self._last_stall_report = now
             logger.warning("%s", text)
-        limit = self.cfg.stall_shutdown_time_seconds
+        limit = self.shutdown_seconds
         if limit > 0 and longest >= limit and not self._aborted:
-            message = (f"stalled for {longest:.0f}s (HVDLIKE_STALL_SHUTDOWN_TIME_SECONDS="
-                       f"{limit:g}); shutting down every rank.\n{text}")
+            message = (f"stalled for {longest:.0f}s ({self._shutdown_name}={limit:g}); "
+                       f"shutting down every rank.\n{text}")
             self._store_op(lambda: self.store.set("health/abort", message))
 
     def _records(self) -> Dict[int, dict]:

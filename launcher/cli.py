@@ -397,8 +397,9 @@ def execute(config: LaunchConfig) -> int:
         from .job import check_local_command
         from .rendezvous import is_local
 
-        if not config.dry_run and all(is_local(h.host) for h in config.hosts):
-            check_local_command(config.command, config.cwd, config.environ.get("PATH"))
+        if all(is_local(h.host) for h in config.hosts):
+            if not config.dry_run:
+                check_local_command(config.command, config.cwd, config.environ.get("PATH"))
             Job(config).check_rank_files()  # the timeline and autotune log, as without --mpi
         return run_with_mpirun(config, np, dry_run=config.dry_run, verbose=print, say=_say)
     if config.elastic is not None:
@@ -411,6 +412,7 @@ def execute(config: LaunchConfig) -> int:
 
         _say(describe(config.environ, config.hosts))
     if config.dry_run:
+        job.check_rank_files()  # what a run would refuse, a dry run refuses too
         print_dry_run(job)
         return 0
     with job:

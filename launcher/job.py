@@ -88,6 +88,8 @@ def check_writable_file(path: str, cwd: str, what: str) -> None:
         mode = 0
     if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode) or stat.S_ISBLK(mode):
         raise LaunchError(f"{what} {path}: is a FIFO, socket or block device, not a file")
+    if stat.S_ISCHR(mode):  # /dev/null: the rank opens regular files only
+        raise LaunchError(f"{what} {path}: is a character device, not a file")
     folder = os.path.dirname(full) or "."
     if not os.path.isdir(folder):
         raise LaunchError(f"{what} {path}: directory {folder} does not exist")
