@@ -17,6 +17,7 @@ import struct
 from typing import Callable, List, Optional, Sequence
 
 from . import shm_segment
+from .errors import SHUT_DOWN, HvdlikeInternalError
 from .memo import BoundedMemo
 
 SLOT_BYTES = 64 * 1024
@@ -62,7 +63,7 @@ class ShmControlPlane:
 
     def _exchange(self, payload: bytes, wanted: Callable[[int], bool]) -> List[bytes]:
         """Every member's ``payload`` (``b""`` for members not ``wanted`` here)."""
-        n, me, mm, cap = self.size, self.rank, self.segment.mm, self.slot - _LENGTH.size
+        n, me, mm, cap = self.size, self.rank, self._mapping(), self.slot - _LENGTH.size
         pieces: List[List[bytes]] = [[] for _ in range(n)]
         totals: List[int] = []
         pos = 0
@@ -124,7 +125,7 @@ class ShmControlPlane:
         """
         if self.size == 1:
             return value, None
-        n, mm, slot = self.size, self.segment.mm, self.slot
+        n, mm, slot = self.size, self._mapping(), self.slot
         self._step += 1
         which = self._step & 1
         first = self.header + which * n * slot
@@ -149,7 +150,7 @@ class ShmControlPlane:
             import torch
 
             first = self.header + which * self.size * self.slot
-            views = [torch.frombuffer(self.segment.mm, dtype=dtype, count=count,
+            views = [torch.frombuffer(self._mapping(), dtype=dtype, count=count,
                                       offset=first + m * self.slot + _VOTE_DATA_OFFSET)
                      for m in range(self.size)]
             hit = self._views.add(key, (views, count * views[0].element_size()))
@@ -160,7 +161,7 @@ class ShmControlPlane:
         unrolled. (The controller's fast cycle votes through :meth:`vote`.)"""
         if self.size == 1:
             return value
-        n, mm, slot = self.size, self.segment.mm, self.slot
+        n, mm, slot = self.size, self._mapping(), self.slot
         self._step += 1
         first = self.header + (self._step & 1) * n * slot
         _LENGTH_AND_WORD.pack_into(mm, first + self.rank * slot, _LENGTH.size, value)
@@ -179,6 +180,14 @@ class ShmControlPlane:
             return payload
         parts = self._exchange(payload if self.rank == 0 else b"", lambda m: m == 0)
         return parts[0]
+
+    def _mapping(self):
+        """The segment's memory; a clear error once the runtime closed this plane
+        under a thread still negotiating on it (a peer shut the job down)."""
+        segment = self.segment
+        if segment is None:
+            raise HvdlikeInternalError(SHUT_DOWN)
+        return segment.mm
 
     def close(self) -> None:
         # Tensors over the mapping: gone before it is unmapped.
