@@ -201,13 +201,18 @@ def shutdown() -> None:
     """Stop hvdlike on this rank (and, through negotiation, on every rank)."""
     with _SLOT.lock:
         current, _SLOT.runtime = _SLOT.runtime, None
+        earlier, _SLOT.closing = _SLOT.closing, []
     if current is not None:
         current.shutdown()
+    for runtime_ in earlier:  # shut down from a signal handler: finish freeing them
+        runtime_.shutdown()
 
 
 def is_initialized() -> bool:
     current = _SLOT.runtime
-    return current is not None and current.alive_error() is None
+    # A forked child's copy answers as its parent (a DataLoader worker sharding by
+    # rank() behind this check), though it refuses collectives.
+    return current is not None and (current.forked or current.alive_error() is None)
 
 
 def rank() -> int:

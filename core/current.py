@@ -32,6 +32,9 @@ class Slot:
         self.counters: Dict[str, int] = {}
         # This process was forked from one whose runtime was live (see _forked).
         self.inherited = False
+        # Runtimes shut down from inside a negotiation cycle (a signal handler), whose
+        # parts are freed later: the next shutdown() (at exit, at the latest) waits for that.
+        self.closing: list = []
 
     def next_generation(self) -> int:
         with self.lock:

@@ -197,6 +197,8 @@ class Executor:
                 for _, entry in items:
                     if entry is not None:
                         self.complete(entry, None, error)
+                if not isinstance(exc, Exception):
+                    raise  # an interrupt or sys.exit() stays what it is (Runtime._interrupted)
                 raise error from exc
 
     # -- helpers ---------------------------------------------------------------
@@ -260,6 +262,8 @@ class Executor:
                 done()
             except BaseException as exc:
                 fail(self.explain(exc))
+                if not isinstance(exc, Exception):
+                    raise  # an interrupt or sys.exit() on this thread ends its cycle
             return
         self.finisher.submit(work, done, fail)
 
@@ -398,6 +402,8 @@ class Executor:
         except BaseException as exc:
             error = HvdlikeInternalError(f"could not complete collective: {exc}")
             self.complete(entry, None, error)
+            if not isinstance(exc, Exception):
+                raise  # an interrupt or sys.exit() stays what it is
             raise error from exc
         if self.recording.timeline is not None:
             self._submit(_VOTED, [item], lambda: [out])

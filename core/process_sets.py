@@ -252,7 +252,9 @@ def _as_process_set(argument):
         return argument, None
     try:
         return ProcessSet(argument), None
-    except (TypeError, ValueError) as exc:
+    except Exception as exc:  # noqa: BLE001 - an iterable that raises anything: told to all
+        if not isinstance(exc, (TypeError, ValueError)):
+            exc = ValueError(f"the ranks could not be read: {type(exc).__name__}: {exc}")
         return None, exc
 
 

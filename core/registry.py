@@ -96,6 +96,7 @@ def _refusal(what: str, reports: List[Tuple[Any, Problem]]) -> Optional[str]:
     A problem on any rank refuses the call everywhere (naming the rank and what
     was wrong); otherwise the values must be equal (:func:`_disagreement`).
     """
+    reports = [_well_formed(r, report) for r, report in enumerate(reports)]
     faulty = [str(r) for r, (_, problem) in enumerate(reports) if problem]
     if not faulty:
         return _disagreement(what, [value for value, _ in reports])
@@ -104,6 +105,20 @@ def _refusal(what: str, reports: List[Tuple[Any, Problem]]) -> Optional[str]:
     for r, (value, problem) in enumerate(reports):
         lines.append(f"  rank {r}: {value}" + (f"  <- {problem[1]}" if problem else ""))
     return "\n".join(lines)
+
+
+def _well_formed(rank: int, report: Any) -> Tuple[Any, Problem]:
+    """``report`` as ``(value, problem)``; a report of another shape (a rank running
+    other code, or lying) is that rank's problem, named, not this rank's crash."""
+    try:
+        value, problem = report
+        if problem is not None:
+            kind, text = problem
+            problem = (str(kind), str(text))
+        return value, problem
+    except (TypeError, ValueError):
+        return (f"<{type(report).__name__}>",
+                ("ValueError", f"rank {rank} sent a malformed process-set report"))
 
 
 def _raise_refusal(message: str, mine: Problem) -> NoReturn:

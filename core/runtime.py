@@ -27,7 +27,7 @@ import time
 from typing import Dict, List, Mapping, Optional, Sequence
 
 from . import agreement, autotune, bootstrap, config as config_mod, generation_keys, store_wait
-from . import world as world_mod
+from . import current as _current, world as world_mod
 from .deadlock import Waits
 from .errors import SHUT_DOWN, SHUT_DOWN_UNDER, ConfigError, HvdlikeError, HvdlikeInternalError
 from .executor import CompletionHooks
@@ -115,6 +115,7 @@ class Runtime:
         self._stopped = threading.Event()
         self._stop_error: Optional[HvdlikeInternalError] = None
         self._closed = False
+        self._close_lock = threading.Lock()  # close() from a closing thread and at exit
         self._thread: Optional[threading.Thread] = None
         self._counters: Dict[str, int] = {}
         self._counter_lock = threading.Lock()
@@ -434,6 +435,9 @@ class Runtime:
                 self.close()
 
         threading.Thread(target=close_when_stopped, name="hvdlike-close", daemon=True).start()
+        # The next shutdown() -- the one at exit, at the latest -- finishes (or waits
+        # for) the freeing: the interpreter must not end under that thread's close().
+        _current.SLOT.closing.append(self)
 
     def _interrupted(self, exc: BaseException) -> None:
         """A cycle on this thread ended by an interrupt, ``sys.exit()`` or the like:
@@ -464,6 +468,10 @@ class Runtime:
         runtime <-> executor/health reference cycles so sockets and threads are
         released now, not whenever the cyclic GC runs.
         """
+        with self._close_lock:
+            self._close()
+
+    def _close(self) -> None:
         if self._closed or self.forked:
             return
         if self._thread is not None and not self._stopped.is_set():

@@ -206,6 +206,7 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
                       process_set=global_process_set) -> List:
     """Allreduce a list of tensors as one unit (negotiated and fused together)."""
     _check_compression(compression, "grouped_allreduce")
+    op, average = _reduce_op(average, op, "grouped_allreduce"), None
     pairs = [compression.compress(t) for t in tensors] if isinstance(tensors, (list, tuple)) \
         else tensors
     if isinstance(pairs, list):

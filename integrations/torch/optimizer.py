@@ -572,32 +572,30 @@ class _Distributed:
             self._hvd_synchronized = False
 
     def _hvd_unscaled_first(self) -> None:
-        """``scaler.step(optimizer)`` unscaled this round's gradients before their reduction.
+        """Refuse ``scaler.step(optimizer)`` that unscaled this round's gradients
+        before their reduction.
 
-        Reductions already under way (started during backward) reduce the
-        scaled gradients and their results replace the unscaled ones: the step
-        would be ``scale`` times too large. ``unscale_`` writes without bumping
-        the gradients' versions, so :func:`_refuse_late_change` cannot see it;
-        the scaler's own record of the optimizer's stage does. Held back to
-        synchronize(), the reductions average unscaled gradients (right), but
-        a rank whose own gradients overflowed skips ``step()`` while the others
-        wait in it: warned.
+        Reductions already under way (started during backward: a GPU, a host
+        with an idle core) reduce the scaled gradients and their results replace
+        the unscaled ones: the step would be ``scale`` times too large.
+        ``unscale_`` writes without bumping the gradients' versions, so
+        :func:`_refuse_late_change` cannot see it; the scaler's own record of the
+        optimizer's stage does. Held back to synchronize(), the reductions would
+        average unscaled gradients, but a rank whose own gradients overflowed
+        skips ``step()`` while the others wait in it. Refused in both cases, so
+        that every rank of a job decides alike (whether a reduction already
+        started differs between ranks by timing) and a script does not pass on
+        one host to fail on another.
         """
-        started = bool(self._hvd_handles)
-        message = (
+        raise RuntimeError(
             "DistributedOptimizer stepped by GradScaler.step(optimizer) without "
-            "optimizer.synchronize() first: the scaler unscaled each rank's gradients before "
-            "their reduction{what}. Use: scaler.scale(loss).backward(); "
-            "optimizer.synchronize(); scaler.unscale_(optimizer); (clip); with "
-            "optimizer.skip_synchronize(): scaler.step(optimizer); scaler.update()")
-        if started:
-            raise RuntimeError(message.format(
-                what=" -- the reductions already under way would replace them with the scaled "
-                     "average and the step would be scale times too large"))
-        warnings.warn(message.format(
-            what=", and a rank whose own gradients hold inf/NaN skips step() while the "
-                 "others wait for it; where reductions start during backward (a GPU, "
-                 "HVDLIKE_CPU_OVERLAP=1) this is an error"), stacklevel=_user_stacklevel())
+            "optimizer.synchronize() first: the scaler unscaled each rank's own gradients "
+            "before their reduction (reductions already under way would replace them with "
+            "the scaled average, a step scale times too large; a rank whose gradients "
+            "overflowed would skip step() while the others wait). Use: "
+            "scaler.scale(loss).backward(); optimizer.synchronize(); "
+            "scaler.unscale_(optimizer); (clip); with optimizer.skip_synchronize(): "
+            "scaler.step(optimizer); scaler.update()")
 
     step.hooked = True  # torch's profiling wrapper already wraps the base class's step
     # Graph breaks under torch.compile (see hvdlike.frontend.compile_guard).
