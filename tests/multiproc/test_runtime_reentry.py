@@ -31,7 +31,7 @@ def _forked_child():
     pid = os.fork()
     if pid == 0:  # the child: report through the pipe, then leave through sys.exit
         os.close(read)
-        lines = [f"rank={hvd.rank()} size={hvd.size()}"]
+        lines = [f"rank={hvd.rank()} size={hvd.size()} initialized={hvd.is_initialized()}"]
         try:
             hvd.allreduce(torch.ones(2), name="child", op=hvd.Sum)
             lines.append("allreduce: no error")
@@ -71,7 +71,7 @@ def test_a_forked_child_is_refused_and_leaves_the_parents_job_alone():
         assert out["ok"], out
         assert out["status"] == 0, out
         report = out["report"]
-        assert f"rank={rank} size=2" in report, report
+        assert f"rank={rank} size=2 initialized=True" in report, report
         assert "allreduce: HvdlikeInternalError: cannot submit" in report, report
         assert (f"this process was forked from rank {rank} (pid {out['parent_pid']}) after "
                 f"init()") in report, report
