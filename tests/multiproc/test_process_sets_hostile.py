@@ -172,10 +172,26 @@ def _kept_across_reinit():
     hvd.init(process_sets=[a])
     out["third_ids"] = [p.process_set_id for p in (a, alias)]
     if a.included():
-        out["alias"] = hvd.allreduce(torch.tensor([float(r + 1)]), op=hvd.Sum,
-                                     process_set=alias).item()
+        out["alias"] = _rank_sum(alias)
     out["b_stale"] = allreduce_over(b, "b.stale")
     out["a3_stale"] = _attempt(a3.size)
+    return _closed(out)
+
+
+def _rank_sum(pset):
+    """The sum of ``rank + 1`` over ``pset``'s members, on a member."""
+    import torch
+
+    import hvdlike.torch as hvd
+
+    return hvd.allreduce(torch.tensor([float(hvd.rank() + 1)]), op=hvd.Sum,
+                         process_set=pset).item()
+
+
+def _closed(out):
+    """``out``, once every rank got here and the job shut down."""
+    import hvdlike.torch as hvd
+
     hvd.barrier()
     hvd.shutdown()
     return out
@@ -221,7 +237,6 @@ def _queries_and_removal():
         out["before_init"] = isinstance(exc, ValueError)
     a1, a2 = hvd.ProcessSet([0, 1]), hvd.ProcessSet([1, 0])
     hvd.init(process_sets=[a1, a2])
-    r = hvd.rank()
     unregistered = hvd.ProcessSet([0, 1])
     out["unregistered"] = (unregistered.included(), unregistered.size(), unregistered.rank())
     out["ids"] = (a1.process_set_id, a2.process_set_id)
@@ -233,11 +248,8 @@ def _queries_and_removal():
     hvd.add_process_set(a2)  # its ranks stayed: it can be added again
     out["readded"] = (a1.process_set_id, a2.process_set_id)
     if a2.included():
-        out["a2"] = hvd.allreduce(torch.tensor([float(r + 1)]), op=hvd.Sum,
-                                  process_set=a2).item()
-    hvd.barrier()
-    hvd.shutdown()
-    return out
+        out["a2"] = _rank_sum(a2)
+    return _closed(out)
 
 
 def test_removal_invalidates_every_object_sharing_the_id():
