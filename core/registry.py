@@ -34,6 +34,7 @@ from typing import Any, Callable, Dict, List, NoReturn, Optional, Sequence, Tupl
 from . import process_sets
 from .collectives import allgather_entry, barrier_entry
 from .errors import HvdlikeError, HvdlikeInternalError
+from .log import logger
 from .process_sets import ProcessSet
 from .set_state import ProcessSetState, SetParts
 
@@ -293,7 +294,7 @@ class ProcessSetRegistry:
         ranks = list(range(self.size))
         self._install(0, ranks, self._build(0, ranks))
 
-    def register_static(self, psets: Sequence[ProcessSet]) -> None:
+    def register_static(self, psets: Sequence[ProcessSet], elastic: bool = False) -> None:
         """Register ``init(process_sets=...)`` before the background thread starts.
 
         Sets with the ranks of an earlier one (or of the whole job) share its id.
@@ -305,22 +306,52 @@ class ProcessSetRegistry:
             TypeError: an element is not a :class:`ProcessSet` (on that rank; the
                 others raise ``ValueError`` naming it).
             ValueError: ranks out of range or none, on any rank, or the ranks
-                passed differ across ranks (raised on every rank).
+                passed differ across ranks (raised on every rank) -- except in an
+                elastic generation (``elastic``), where rank 0's sets win.
         """
         entries = [_static_entry(i, p, self.size) for i, p in enumerate(psets)]
         mine = [value for value, _ in entries]
         problem = _merged([p for _, p in entries])
         control = self.states[0].controller.control
         gathered = control.gather(pickle.dumps((mine, problem)))
-        verdict = ids = None
+        verdict = ids = lists = None
         if gathered is not None:
-            verdict = _refusal("init()", [pickle.loads(g) for g in gathered])
+            reports = [_well_formed(r, pickle.loads(g)) for r, g in enumerate(gathered)]
+            verdict = _refusal("init()", reports)
+            if verdict and elastic and not any(p for _, p in reports):
+                # Survivors pass what they carried (sets dropped by a shrink are gone,
+                # sets added while the job ran are there); a process started for this
+                # generation passes its script's init(). Rank 0's sets win.
+                verdict, lists = None, reports[0][0]
             if not verdict:
                 ids = [p.process_set_id for p in psets]
-        verdict, ids = pickle.loads(control.broadcast(pickle.dumps((verdict, ids))))
+        verdict, ids, lists = pickle.loads(control.broadcast(pickle.dumps((verdict, ids, lists))))
         if verdict:
             _raise_refusal(verdict, problem)
+        if lists is not None and lists != mine:
+            psets = self._adopt(psets, lists)
         self._install_static(psets, ids)
+
+    def _adopt(self, psets: Sequence[ProcessSet], lists: List[List[int]]) -> List[ProcessSet]:
+        """This rank's sets for rank 0's ``lists`` (an elastic generation): its own
+        object where it has one with those ranks, a new one otherwise; its sets
+        rank 0 does not have are left unregistered, with a warning."""
+        unused = list(psets)
+        adopted = []
+        for ranks in lists:
+            match = next((p for p in unused if list(p.ranks) == list(ranks)), None)
+            if match is None:
+                match = ProcessSet(ranks)
+            else:
+                unused.remove(match)
+            adopted.append(match)
+        for pset in unused:
+            pset.process_set_id = None
+            logger.warning("process set with ranks %s is not registered in this elastic "
+                           "generation: rank 0 does not have it (the ranks' sets differ "
+                           "after a re-form, and rank 0's win); add_process_set() registers "
+                           "it again", list(pset.ranks))
+        return adopted
 
     def _install_static(self, psets: Sequence[ProcessSet], ids: List[Optional[int]]) -> None:
         """Give ``psets`` their ids (``ids``: those they carried on rank 0) and build them."""

@@ -302,3 +302,59 @@ def test_ctrl_c_stops_an_elastic_job(marker):
     assert "received SIGINT; stopping 2 rank(s)" in err
     assert "job interrupted (SIGINT); every rank was stopped" in err
     assert "re-form" not in err  # stopping is not a failure to recover from
+
+
+REGROW = """
+    import os, signal, sys, time
+    import torch
+    torch.set_num_threads(1)
+    import hvdlike.torch as hvd
+    here = os.path.dirname(os.path.abspath(__file__))
+    a, b = hvd.ProcessSet([0, 1]), hvd.ProcessSet([1, 2])
+    hvd.init(process_sets=[a, b])
+
+    @hvd.elastic.run
+    def train(state):
+        while state.steps < 24:
+            hvd.allreduce(torch.ones(1), name=f"g{state.steps}")
+            if a.included():  # a stays registered through every generation
+                got = hvd.allreduce(torch.ones(1), op=hvd.Sum, name=f"a{state.steps}",
+                                    process_set=a).item()
+                assert got == 2.0, got
+            killed = os.path.join(here, "killed")
+            if hvd.rank() == 2 and hvd.size() == 3 and state.steps == 3 \\
+                    and not os.path.exists(killed):
+                open(killed, "w").close()
+                os.kill(os.getpid(), signal.SIGKILL)
+            if hvd.rank() == 0 and hvd.size() == 2 and state.steps == 6:
+                open(os.path.join(here, "grow"), "w").close()
+            state.steps += 1
+            time.sleep(0.1)
+            state.commit()
+
+    state = hvd.elastic.TorchState(model=torch.nn.Linear(2, 1), steps=0)
+    train(state)
+    print(f"END rank={hvd.rank()} size={hvd.size()} steps={state.steps} a={a.process_set_id} "
+          f"b={b.process_set_id}", flush=True)
+    hvd.shutdown()
+"""
+
+
+def test_a_job_with_process_sets_shrinks_and_grows_back(marker):
+    # Survivors pass the sets they carried (the one naming a lost rank dropped);
+    # the process started for the grown generation passes its script's init(): the
+    # lists differ and every rank refused the generation. Rank 0's sets win now.
+    script = write_script(marker, "regrow.py", REGROW)
+    discover = marker / "discover.sh"
+    discover.write_text(f"#!/bin/bash\necho 127.0.0.1:2\n[ -f {marker}/killed ] || echo 127.0.0.2:1\n"
+                        f"[ -f {marker}/grow ] && echo 127.0.0.3:1\nexit 0\n")
+    discover.chmod(0o755)
+    code, out, err, _ = run(["-np", "3", "--min-np", "2", "--max-np", "3",
+                             "--host-discovery-script", str(discover), sys.executable, script],
+                            timeout=150, env=_env())
+    assert code == 0, err[-4000:]
+    assert "sizes 3 -> 2 -> 3" in err, err[-4000:]
+    ends = re.findall(r"END rank=(\d) size=3 steps=24 a=(\S+) b=(\S+)", out)
+    assert sorted(r for r, _, _ in ends) == ["0", "1", "2"], out
+    assert {(x, y) for _, x, y in ends} == {("1", "None")}, out  # b is gone on every rank
+    assert "is not registered in this elastic generation" in err, err[-4000:]
