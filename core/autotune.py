@@ -189,11 +189,9 @@ class SampleLog:
             with os.fdopen(open_output_file(path), "w") as f:  # no link followed
                 f.write(",".join(CSV_HEADER) + "\n")
         except OSError as exc:
-            from .config import KNOBS_BY_FIELD, lookup
+            from .config import spelled
 
-            knob = KNOBS_BY_FIELD["autotune_log"]
-            found = lookup(os.environ, knob)
-            name = found[0] if found is not None and found[1] == path else knob.env
+            name = spelled("autotune_log", path, os.environ)
             raise ConfigError(f"{name}={path!r}: cannot write the autotune log: "
                               f"{exc.strerror or exc}") from None
 

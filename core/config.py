@@ -426,11 +426,17 @@ def lookup(environ: Mapping[str, str], knob: Knob) -> Optional[tuple]:
 def variable_of(cfg: Config, field: str, environ: Mapping[str, str]) -> str:
     """The variable that gave ``cfg`` its ``field`` as the user spelled it
     (``HOROVOD_*`` when that one did), else the ``HVDLIKE_*`` name."""
+    return spelled(field, getattr(cfg, field), environ)
+
+
+def spelled(field: str, value: Any, environ: Mapping[str, str]) -> str:
+    """The variable of ``environ`` that set ``field`` to ``value`` (``HOROVOD_*``
+    when that one did), else the ``HVDLIKE_*`` name: for messages."""
     knob = KNOBS_BY_FIELD[field]
     found = lookup(environ, knob)
     if found is not None:
         try:
-            if knob.parse(found[1]) == getattr(cfg, field):
+            if knob.parse(found[1]) == value:
                 return found[0]
         except ValueError:
             pass

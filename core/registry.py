@@ -91,13 +91,12 @@ def _disagreement(what: str, values: List[Any]) -> Optional[str]:
 
 
 def _refusal(what: str, reports: List[Tuple[Any, Problem]]) -> Optional[str]:
-    """The message every rank raises, given each rank's ``(value, problem)``;
-    None when the call may go on.
+    """The message every rank raises, given each rank's ``(value, problem)``
+    (see :func:`_well_formed`); None when the call may go on.
 
     A problem on any rank refuses the call everywhere (naming the rank and what
     was wrong); otherwise the values must be equal (:func:`_disagreement`).
     """
-    reports = [_well_formed(r, report) for r, report in enumerate(reports)]
     faulty = [str(r) for r, (_, problem) in enumerate(reports) if problem]
     if not faulty:
         return _disagreement(what, [value for value, _ in reports])
@@ -108,7 +107,12 @@ def _refusal(what: str, reports: List[Tuple[Any, Problem]]) -> Optional[str]:
     return "\n".join(lines)
 
 
-def _well_formed(rank: int, report: Any) -> Tuple[Any, Problem]:
+def _well_formed(reports: List[Any]) -> List[Tuple[Any, Problem]]:
+    """Every rank's report as ``(value, problem)``."""
+    return [_one_report(rank, report) for rank, report in enumerate(reports)]
+
+
+def _one_report(rank: int, report: Any) -> Tuple[Any, Problem]:
     """``report`` as ``(value, problem)``; a report of another shape (a rank running
     other code, or lying) is that rank's problem, named, not this rank's crash."""
     try:
@@ -316,7 +320,7 @@ class ProcessSetRegistry:
         gathered = control.gather(pickle.dumps((mine, problem)))
         verdict = ids = lists = None
         if gathered is not None:
-            reports = [_well_formed(r, pickle.loads(g)) for r, g in enumerate(gathered)]
+            reports = _well_formed([pickle.loads(g) for g in gathered])
             verdict = _refusal("init()", reports)
             if verdict and elastic and not any(p for _, p in reports):
                 # Survivors pass what they carried (sets dropped by a shrink are gone,
@@ -429,7 +433,8 @@ class ProcessSetRegistry:
     def _add(self, pset: Optional[ProcessSet], value: Any, problem: Problem) -> ProcessSet:
         """The add protocol (``change_lock`` held): exchange, check, build, install."""
         name = self._serial_name()
-        verdict = _refusal("add_process_set()", self._gather_everywhere((value, problem), name))
+        verdict = _refusal("add_process_set()",
+                           _well_formed(self._gather_everywhere((value, problem), name)))
         if verdict:
             _raise_refusal(verdict, problem)
         if pset.ranks in self.ranks.values():

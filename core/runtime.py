@@ -269,8 +269,6 @@ class Runtime:
         if any(getattr(p, "mpi_comm", None) is not None for p in process_sets):
             self._register_comm_sets(process_sets)
         else:
-            from .elastic.protocol import ENV_WORKER
-
             self.sets.register_static(process_sets, elastic=bool(environ.get(ENV_WORKER)))
         if cfg.autotune:
             broadcast = self.sets.states[0].controller.control.broadcast

@@ -1,7 +1,7 @@
 """What one rank sends in a process-set exchange cannot crash the others."""
 
 from hvdlike.core import process_sets
-from hvdlike.core.registry import _refusal
+from hvdlike.core.registry import _refusal, _well_formed
 
 
 class _Unreadable:
@@ -22,7 +22,7 @@ def test_a_malformed_report_names_the_rank_that_sent_it():
     # IndexError on rank 0, which then left the others waiting.
     good = ([[0, 1]], None)
     for bad in (("only one",), [1, 2, 3], None, ([[0, 1]], ("ValueError",))):
-        message = _refusal("init()", [good, bad])
+        message = _refusal("init()", _well_formed([good, bad]))
         assert message.startswith("init() was refused on every rank: rank(s) 1"), message
         assert "rank 1 sent a malformed process-set report" in message, message
-    assert _refusal("init()", [good, good]) is None
+    assert _refusal("init()", _well_formed([good, good])) is None
