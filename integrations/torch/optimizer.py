@@ -366,13 +366,18 @@ class _Distributed:
         """Finish this round's gradient reduction; gradients are averaged afterwards.
 
         Call it before modifying gradients (clipping, unscaling), then call
-        ``step()`` inside :meth:`skip_synchronize`. A no-op when no backward
-        pass ran since the last synchronization.
+        ``step()`` inside :meth:`skip_synchronize`.
+
+        Without a backward pass on this rank since the last ``step()``, every
+        gradient is still submitted -- the one it holds, zeros where it has
+        none -- as under Horovod: another rank may have run one (a rank that
+        skipped a batch still steps with the others), and the reductions must
+        pair up. Called again before ``step()`` it does nothing.
         """
         if self._hvd_lost:
             self._hvd_refuse_lost()
         self._hvd_register_all()  # parameters unfrozen or added since
-        if self._hvd_included and self._hvd_open():
+        if self._hvd_included and (self._hvd_open() or not self._hvd_synchronized):
             deferred, self._hvd_deferred = self._hvd_deferred, []
             self._hvd_defer = not _overlaps_cpu()  # for the next round
             # No core is idle: this thread, which waits for them anyway, runs the
@@ -551,7 +556,10 @@ class _Distributed:
                               "skip_synchronize() to say so", stacklevel=2)
             elif self._hvd_open() and _unscaled_by_grad_scaler(self):
                 self._hvd_unscaled_first()
-            self.synchronize()
+            if closure is None or self._hvd_open():
+                # (With a closure and nothing accumulated, each evaluation of
+                # the closure synchronizes what its backward produced.)
+                self.synchronize()
         elif self._hvd_open():
             warnings.warn("DistributedOptimizer.step() inside skip_synchronize() after a "
                           "backward pass that was not synchronized: call synchronize() first "
@@ -603,6 +611,14 @@ class _Distributed:
     synchronize = eager(synchronize)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._hvd_passes and not (self._hvd_handles or self._hvd_deferred):
+            done = max(self._hvd_passes.values())
+            raise RuntimeError(
+                f"DistributedOptimizer.zero_grad() was called after {done} of "
+                f"backward_passes_per_step={self._hvd_k} backward passes, before step() or "
+                f"synchronize(): it would drop the gradients accumulated so far on this rank "
+                f"while the next passes count on. Call step() (it reduces what has "
+                f"accumulated, on every rank) or synchronize() first")
         if (self._hvd_handles or self._hvd_deferred
                 or any(b.pending < b.size for b in self._hvd_buckets)):
             raise RuntimeError(
