@@ -23,7 +23,8 @@ import time
 from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from .coordinator import Coordinator
-from .messages import OpType, Request, Response
+from .errors import HvdlikeInternalError
+from .messages import OpType, Request, Response, malformed
 from .response_cache import Lookup, ResponseCache
 from .sequence import LearnedSequence
 from .tensor_queue import Entry
@@ -75,12 +76,16 @@ class Controller:
     """Negotiation state of one rank in one process set."""
 
     def __init__(self, control: ControlPlane, cache_capacity: int,
-                 record_arrivals: Callable[[], bool] = lambda: False):
+                 record_arrivals: Callable[[], bool] = lambda: False,
+                 ranks: Optional[Sequence[int]] = None):
         self.control = control
         self.rank = control.rank
         self.size = control.size
+        # The members' global ranks, to name a member in an error.
+        self.ranks = list(ranks) if ranks is not None else list(range(self.size))
         self.cache = ResponseCache(cache_capacity)
-        self.coordinator = Coordinator(self.size, record_arrivals) if self.rank == 0 else None
+        self.coordinator = (Coordinator(self.size, record_arrivals, self.ranks)
+                            if self.rank == 0 else None)
         self._cached: Dict[int, Entry] = {}  # slot -> entry waiting for all ranks
         self._uncached: Dict[str, Entry] = {}  # name -> entry waiting for a response
         self._to_send: List[Request] = []
@@ -239,6 +244,39 @@ class Controller:
             result.stalled = self.coordinator.pending()
         return result
 
+    def _malformed(self, member: int, problem: str) -> HvdlikeInternalError:
+        return HvdlikeInternalError(
+            f"rank {self.ranks[member]} sent a malformed negotiation message: {problem}. "
+            f"An hvdlike rank cannot build it: that process is not running hvdlike's code "
+            f"(or its memory is damaged); the job cannot go on with it")
+
+    def _requests_from(self, member: int, data: bytes) -> List[Request]:
+        """Member ``member``'s requests of this cycle, each checked (coordinator only)."""
+        try:
+            requests = pickle.loads(data)
+        except Exception as exc:  # noqa: BLE001 - whatever it was, it names the sender
+            raise self._malformed(member, f"its requests do not decode "
+                                          f"({type(exc).__name__}: {exc})") from None
+        if not isinstance(requests, list):
+            raise self._malformed(member, f"a {type(requests).__name__} where a list of "
+                                          f"requests belongs")
+        for request in requests:
+            problem = malformed(request, member, self.size)
+            if problem:
+                raise self._malformed(member, problem)
+        return requests
+
+    def _responses_from(self, data: bytes) -> List[Response]:
+        try:
+            responses = pickle.loads(data)
+        except Exception as exc:  # noqa: BLE001
+            raise self._malformed(0, f"the responses do not decode "
+                                     f"({type(exc).__name__}: {exc})") from None
+        if not isinstance(responses, list) or not all(isinstance(r, Response)
+                                                      for r in responses):
+            raise self._malformed(0, "responses that are not a list of responses")
+        return responses
+
     def _partially_cached_groups(self, requests: Sequence[Request], lookups) -> set:
         """Groups with some members cached and some not.
 
@@ -310,10 +348,10 @@ class Controller:
         gathered = self.control.gather(payload)
         blob = None
         if self.coordinator is not None:
-            for data in gathered:
-                self.coordinator.add(pickle.loads(data))
+            for member, data in enumerate(gathered):
+                self.coordinator.add(self._requests_from(member, data))
             blob = pickle.dumps(self.coordinator.ready(), protocol=pickle.HIGHEST_PROTOCOL)
-        responses: List[Response] = pickle.loads(self.control.broadcast(blob))
+        responses = self._responses_from(self.control.broadcast(blob))
         work = []
         for response in responses:
             entry = self._uncached.pop(response.name, None)

@@ -14,11 +14,17 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tupl
 from .messages import OpType, Request, Response
 
 
-def _mismatch(name: str, what: str, requests: Sequence[Request]) -> str:
+def _mismatch(name: str, what: str, requests: Sequence[Request],
+              ranks: Optional[Sequence[int]] = None) -> str:
     lines = [f"ranks disagree on {what} of collective {name!r}; each rank submitted:"]
     for req in sorted(requests, key=lambda r: r.rank):
-        lines.append(f"  rank {req.rank}: {req.describe()}")
+        lines.append(f"  rank {_global(req.rank, ranks)}: {req.describe()}")
     return "\n".join(lines)
+
+
+def _global(set_rank: int, ranks: Optional[Sequence[int]]) -> int:
+    """The global rank of member ``set_rank`` (requests carry their rank in the set)."""
+    return set_rank if ranks is None else ranks[set_rank]
 
 
 def _member_failed(name: str, group: str, error: str) -> str:
@@ -35,13 +41,16 @@ NOT_WITH_JOIN = frozenset({OpType.ALLGATHER, OpType.BROADCAST, OpType.ALLTOALL,
                            OpType.REDUCESCATTER})
 
 
-def build_response(requests: Sequence[Request], size: int, joined: Iterable[int] = ()) -> Response:
+def build_response(requests: Sequence[Request], size: int, joined: Iterable[int] = (),
+                   ranks: Optional[Sequence[int]] = None) -> Response:
     """Validate the requests all ranks made for one name and build its response.
 
     Args:
         requests: one request per participating rank.
         size: number of ranks in the process set.
         joined: ranks that have joined and contribute neutral values instead.
+        ranks: the set's global ranks, to name its members in errors (None:
+            the set ranks are the global ones).
 
     Returns:
         A response to execute, or one whose ``error`` explains the mismatch.
@@ -53,14 +62,15 @@ def build_response(requests: Sequence[Request], size: int, joined: Iterable[int]
                 device=first.device, group=first.group, joined=joined)
 
     def error(what: str) -> Response:
-        return Response(error=_mismatch(name, what, requests), **base)
+        return Response(error=_mismatch(name, what, requests, ranks), **base)
 
     if not _same(requests, lambda r: r.op):
         return error("the operation")
     if joined and first.op in NOT_WITH_JOIN:
         # As in Horovod: only allreduce has a neutral value a joined rank can stand in with.
         return Response(error=f"{first.op.name.lower()} {name!r} cannot run while rank(s) "
-                              f"{', '.join(map(str, joined))} have called join(); only "
+                              f"{', '.join(str(_global(r, ranks)) for r in joined)} have "
+                              f"called join(); only "
                               "allreduce (and barrier) can", **base)
     if not _same(requests, lambda r: r.dtype):
         return error("the dtype")
@@ -103,8 +113,10 @@ def build_response(requests: Sequence[Request], size: int, joined: Iterable[int]
 class Coordinator:
     """Collects requests from all ranks until every rank has submitted a name."""
 
-    def __init__(self, size: int, record_arrivals: Callable[[], bool] = lambda: False):
+    def __init__(self, size: int, record_arrivals: Callable[[], bool] = lambda: False,
+                 ranks: Optional[Sequence[int]] = None):
         self.size = size
+        self.ranks = None if ranks is None or list(ranks) == list(range(size)) else list(ranks)
         self.joined: Set[int] = set()
         self._last_joined = -1
         # name -> {rank: request}; dict order is first-submission order.
@@ -161,7 +173,7 @@ class Coordinator:
             joined = [r for r in self.joined if r not in row]
             if refuse and next(iter(row.values())).op in NOT_WITH_JOIN:
                 joined = sorted(self.joined)
-            resp = build_response(list(row.values()), self.size, joined)
+            resp = build_response(list(row.values()), self.size, joined, self.ranks)
             if resp.op == OpType.JOIN:
                 # Every rank has joined: report the last one and start afresh.
                 resp = Response(name=name, op=OpType.JOIN, dtype=resp.dtype, shape=(),

@@ -140,7 +140,10 @@ def forget(store, prefix: str, logs: List[KeyLog], rank: int, size: int) -> bool
     everything = set(keys)
     for other in range(size):
         name = f"{prefix}{_KEYS}{other}"
-        if other != rank:
+        # Counted in, so published -- unless something else removed it since:
+        # never wait for it (a blocking read would hold this rank's exit for
+        # the store's whole timeout).
+        if other != rank and store.check([name]):
             everything.update(json.loads(store.get(name)))
         everything.add(name)
     everything.add(counter)

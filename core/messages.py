@@ -211,3 +211,64 @@ class Response:
                 # came first, so every rank plans the same batches.
                 cls = key
         return cls, nbytes
+
+
+def _int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _known_dtype(dtype) -> bool:
+    if dtype in _ELEMENT_BYTES:
+        return True
+    if not isinstance(dtype, str) or not dtype.isidentifier():
+        return False
+    import torch
+
+    return isinstance(getattr(torch, dtype, None), torch.dtype)
+
+
+def malformed(request, sender: int, size: int) -> str:
+    """What is wrong with a request set rank ``sender`` sent to the coordinator
+    (``""``: nothing).
+
+    A rank builds its requests from its own tensors, so an honest one always
+    passes; these checks stop a request no rank could have built (a rank that
+    lies, or a message damaged on its way) from being answered with garbage,
+    from taking another rank's place, or from waiting for ever. They say
+    nothing of the values a rank then sends.
+    """
+    if not isinstance(request, Request):
+        return f"a {type(request).__name__} where a request belongs"
+    name = request.__dict__.get("name")
+    if not isinstance(name, str):
+        return f"a request whose name is {name!r}"
+    what = f"request {name!r}"
+    fields = request.__dict__
+    if fields.get("rank") != sender:
+        return f"{what} in the name of rank {fields.get('rank')!r} of the set (it is rank {sender})"
+    if not isinstance(fields.get("op"), OpType):
+        return f"{what} with operation {fields.get('op')!r}"
+    if not isinstance(fields.get("reduce_op"), ReduceOp):
+        return f"{what} with reduction op {fields.get('reduce_op')!r}"
+    if not _known_dtype(fields.get("dtype")):
+        return f"{what} with dtype {fields.get('dtype')!r}"
+    if not isinstance(fields.get("device"), str):
+        return f"{what} with device {fields.get('device')!r}"
+    shape = fields.get("shape")
+    if not isinstance(shape, tuple) or not all(_int(d) and d >= 0 for d in shape):
+        return f"{what} with shape {shape!r}"
+    splits = fields.get("splits")
+    if splits is not None:
+        if (not isinstance(splits, tuple) or not all(_int(s) and s >= 0 for s in splits)
+                or sum(splits) != (shape[0] if shape else 1)):
+            return f"{what} with splits {splits!r} for shape {shape!r}"
+    root = fields.get("root")
+    if not _int(root) or (request.op == OpType.BROADCAST and not 0 <= root < size):
+        return f"{what} with root rank {root!r} (the set has {size} ranks)"
+    if not all(isinstance(fields.get(f), (int, float)) and not isinstance(fields.get(f), bool)
+               for f in ("prescale", "postscale")):
+        return f"{what} with scale factors {fields.get('prescale')!r}, {fields.get('postscale')!r}"
+    if not isinstance(fields.get("group"), str) or not _int(fields.get("group_size")) \
+            or fields.get("group_size") < 0:
+        return f"{what} with group {fields.get('group')!r} of {fields.get('group_size')!r}"
+    return ""

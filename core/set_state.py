@@ -120,7 +120,7 @@ class ProcessSetState:
             self.groups.close()
             raise
         self.controller = Controller(control, parts.cfg.cache_capacity,
-                                     parts.recording.recording)
+                                     parts.recording.recording, self.ranks)
         self.executor = Executor(self.groups, self.rank, self.size, parts.settings,
                                  parts.hooks, parts.recording, parts.host,
                                  parts.cfg.adasum_hierarchical)

@@ -28,6 +28,9 @@ _LENGTH_AND_WORD = struct.Struct("<qq")
 # its bytes; the input starts on the slot's second cache line.
 _VOTE = struct.Struct("<qqqq")
 _VOTE_DATA_OFFSET = 64
+# No honest negotiation message comes near it (a cycle's requests take a few
+# hundred bytes per tensor); a length beyond it, or below 0, is refused.
+MAX_MESSAGE_BYTES = 1 << 30
 
 
 class ShmControlPlane:
@@ -78,6 +81,9 @@ class ShmControlPlane:
             self.segment.sync("negotiation", self.ranks, self.timeout, self.abandon)
             if not totals:
                 totals = [_LENGTH.unpack_from(mm, first + m * self.slot)[0] for m in range(n)]
+                for m, total in enumerate(totals):
+                    if not 0 <= total <= MAX_MESSAGE_BYTES:
+                        raise self._malformed(m, f"a message length of {total} bytes")
             for m in range(n):
                 if m == me or not wanted(m):
                     continue
@@ -95,7 +101,10 @@ class ShmControlPlane:
             return list(values)
         parts = self._exchange(struct.pack(f"<{len(values)}q", *values), lambda m: True)
         total = [0] * len(values)
-        for part in parts:
+        for m, part in enumerate(parts):
+            if len(part) != 8 * len(values):
+                raise self._malformed(m, f"{len(part)} bytes for a sum of {len(values)} "
+                                         f"words ({8 * len(values)} bytes)")
             for i, v in enumerate(struct.unpack(f"<{len(part) // 8}q", part)):
                 total[i] += v
         return total
@@ -180,6 +189,12 @@ class ShmControlPlane:
             return payload
         parts = self._exchange(payload if self.rank == 0 else b"", lambda m: m == 0)
         return parts[0]
+
+    def _malformed(self, member: int, problem: str) -> HvdlikeInternalError:
+        return HvdlikeInternalError(
+            f"rank {self.ranks[member]} wrote a malformed negotiation message into shared "
+            f"memory: {problem}. An hvdlike rank cannot write it: that process is not "
+            f"running hvdlike's code (or its memory is damaged); the job cannot go on with it")
 
     def _mapping(self):
         """The segment's memory; a clear error once the runtime closed this plane

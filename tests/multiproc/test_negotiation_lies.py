@@ -1,0 +1,79 @@
+"""A rank that lies in negotiation: every honest rank fails at once, naming it.
+
+The liar is an hvdlike rank patched to write what no hvdlike rank writes (the
+job's secret does not make a process honest). Before these checks an
+impossible length in shared memory kept every rank spinning for ever, and a
+request sent in another rank's name left the job waiting without a word.
+"""
+
+from tests.multiproc.harness import run_ranks
+
+
+def _lying_length(length):
+    import struct
+
+    import torch
+
+    import hvdlike.torch as hvd
+    from hvdlike.core import shm_control
+
+    torch.set_num_threads(1)
+    hvd.init()
+    real = shm_control._LENGTH
+
+    class Lying:
+        size = real.size
+        unpack_from = staticmethod(real.unpack_from)
+
+        @staticmethod
+        def pack_into(mm, offset, value):
+            real.pack_into(mm, offset, length if hvd.rank() == 1 else value)
+
+    assert isinstance(real, struct.Struct)
+    shm_control._LENGTH = Lying
+    try:
+        hvd.allreduce(torch.ones(8), name="x")  # a new name: the full negotiation
+        return "no error"
+    except hvd.HorovodInternalError as exc:
+        return str(exc)
+
+
+def test_an_impossible_message_length_in_shared_memory_is_named_not_spun_on():
+    for length, said in ((2 ** 62, "a message length of 4611686018427387904 bytes"),
+                         (-7, "a message length of -7 bytes")):
+        codes, outputs = run_ranks(_lying_length, np=2, args=(length,), timeout=60,
+                                   expect_failure=True)
+        assert "rank 1 wrote a malformed negotiation message into shared memory" in \
+            outputs[0], outputs[0][-2000:]
+        assert said in outputs[0]
+
+
+def _request_in_another_ranks_name():
+    import torch
+
+    import hvdlike.torch as hvd
+    from hvdlike.core import controller
+
+    torch.set_num_threads(1)
+    hvd.init()
+    miss = controller.Controller._miss
+
+    def lying_miss(self, entry):
+        miss(self, entry)
+        if hvd.rank() == 1 and entry.request.name.endswith(".x"):
+            self._to_send[-1] = self._to_send[-1].with_rank(0)
+
+    controller.Controller._miss = lying_miss
+    try:
+        hvd.allreduce(torch.ones(8) * (hvd.rank() + 1), op=hvd.Sum, name="x")
+        return "no error"
+    except hvd.HorovodInternalError as exc:
+        return str(exc)
+
+
+def test_a_request_in_another_ranks_name_is_refused_on_every_plane():
+    for env in ({}, {"HVDLIKE_SHM": "0"}):
+        codes, outputs = run_ranks(_request_in_another_ranks_name, np=2, timeout=60,
+                                   expect_failure=True, env=env)
+        assert ("rank 1 sent a malformed negotiation message: request 'allreduce.x' in the "
+                "name of rank 0 of the set (it is rank 1)") in outputs[0], outputs[0][-2000:]

@@ -1,0 +1,62 @@
+"""The last rank to close a generation deletes its keys without waiting on anyone."""
+
+import json
+
+from hvdlike.core import generation_keys
+
+
+class _Store:
+    """A store whose read of a missing key fails at once (the real one blocks for
+    its whole timeout, then fails)."""
+
+    def __init__(self):
+        self.data = {}
+
+    def set(self, key, value):
+        self.data[key] = value.encode() if isinstance(value, str) else value
+
+    def get(self, key):
+        if key not in self.data:
+            raise TimeoutError(f"would wait the store's timeout for {key!r}")
+        return self.data[key]
+
+    def check(self, keys):
+        return all(k in self.data for k in keys)
+
+    def add(self, key, amount):
+        value = int(self.data.get(key, b"0")) + amount
+        self.data[key] = str(value).encode()
+        return value
+
+    def delete_key(self, key):
+        return self.data.pop(key, None) is not None
+
+
+class _Log:
+    def __init__(self, keys):
+        self._keys = keys
+
+    def written(self):
+        return list(self._keys)
+
+
+def test_a_list_removed_by_someone_else_does_not_hold_up_the_last_closer():
+    store = _Store()
+    store.set("gen1/a0", "x")
+    store.set("gen1/a1", "y")
+    assert not generation_keys.forget(store, "gen1/", [_Log(["gen1/a1"])], rank=1, size=2)
+    assert json.loads(store.data["gen1/closed/keys/1"]) == ["gen1/a1"]
+    del store.data["gen1/closed/keys/1"]  # a process without the secret deleted it
+    assert generation_keys.forget(store, "gen1/", [_Log(["gen1/a0"])], rank=0, size=2)
+    # what could be found is gone; the key only the removed list named stays
+    assert store.data == {"gen1/a1": b"y"}
+
+
+def test_the_last_closer_deletes_every_ranks_keys():
+    store = _Store()
+    for key in ("gen2/a0", "gen2/a1", "gen2/a2"):
+        store.set(key, "v")
+    assert not generation_keys.forget(store, "gen2/", [_Log(["gen2/a2"])], rank=2, size=3)
+    assert not generation_keys.forget(store, "gen2/", [_Log(["gen2/a0"])], rank=0, size=3)
+    assert generation_keys.forget(store, "gen2/", [_Log(["gen2/a1"])], rank=1, size=3)
+    assert store.data == {}
