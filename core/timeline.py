@@ -103,7 +103,8 @@ class Timeline:
         if self._file is None and must_append:
             raise _NotATimeline(path)
         if self._file is None:
-            # Not through a symbolic link planted in a shared folder (see output_file).
+            # Not through a symbolic link planted in a shared folder, on the way or
+            # at the file, nor (run as root) into another user's folder (see output_file).
             self._file = os.fdopen(open_output_file(path), "w", encoding="utf-8")
             self._file.write("[\n")
         self._written = self._file.tell()

@@ -57,18 +57,19 @@ def check_local_command(command: List[str], cwd: str, path: Optional[str]) -> No
 def check_output_files(output_dir: str, rank: int) -> None:
     """Create ``output_dir/rank.N/{stdout,stderr}`` as the rank's output will be
     written (see :mod:`hvdlike.core.output_file`): regular files only, no symbolic
-    link followed, so a file planted in a shared folder -- a FIFO that would
-    block the launcher, a link to a file of the user's -- is refused by name."""
-    from hvdlike.core.output_file import open_output_file
+    link followed at ``rank.N`` or the file, none another user planted in a
+    sticky shared folder on the way, (as root) no folder of another user written into --
+    something planted in a shared folder (a FIFO that would block the launcher,
+    a link to a file of the user's) is refused by name."""
+    from hvdlike.core.output_file import UnsafeOutputPath, open_output_file
 
     folder = os.path.join(output_dir, f"rank.{rank}")
     try:
-        if os.path.islink(folder):
-            raise LaunchError(f"--output-filename {output_dir}: {folder} is a symbolic link; "
-                              "refusing to follow it")
-        os.makedirs(folder, exist_ok=True)
         for stream in ("stdout", "stderr"):
-            os.close(open_output_file(os.path.join(folder, stream), truncate=False))
+            os.close(open_output_file(os.path.join(folder, stream), truncate=False,
+                                      make_folders=True, own_names=2))
+    except UnsafeOutputPath as exc:
+        raise LaunchError(f"--output-filename {output_dir}: {exc}") from None
     except OSError as exc:
         where = f" ({exc.filename})" if exc.filename else ""
         raise LaunchError(f"--output-filename {output_dir}: {exc.strerror or exc}{where}") \
@@ -77,7 +78,15 @@ def check_output_files(output_dir: str, rank: int) -> None:
 
 def check_writable_file(path: str, cwd: str, what: str) -> None:
     """Fail early, in one line, when a rank on this machine could not create ``path``."""
+    from hvdlike.core.output_file import UnsafeOutputPath, output_folder
+
     full = os.path.join(cwd, path)
+    try:  # a link or folder on the way another user controls (the rank refuses it too)
+        output_folder(os.path.dirname(full) or ".")
+    except UnsafeOutputPath as exc:
+        raise LaunchError(f"{what} {path}: {exc}") from None
+    except OSError:
+        pass  # a missing folder and the like: said below
     if os.path.islink(full):  # planted in a shared folder, it would make the job write there
         raise LaunchError(f"{what} {path}: is a symbolic link; refusing to follow it")
     if os.path.isdir(full):

@@ -380,10 +380,10 @@ class Worker:
         if self._log_dir:
             path = os.path.join(self._log_dir, f"rank.{self.rank}", stream)
             try:
-                os.makedirs(os.path.dirname(path), exist_ok=True)
                 # The rank's bytes as they came, not re-encoded; never through a
-                # symbolic link or into a FIFO planted since the launcher's check.
-                log = os.fdopen(open_output_file(path), "wb")
+                # symbolic link, (as root) into another user's folder or into a FIFO planted
+                # since the launcher's check (folders made one at a time, see output_file).
+                log = os.fdopen(open_output_file(path, make_folders=True, own_names=2), "wb")
             except OSError as exc:  # the rank's output still reaches the launcher's streams
                 self._output.note(f"cannot write {path}: {exc.strerror or exc}")
         splitter = PieceSplitter()

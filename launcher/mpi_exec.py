@@ -196,11 +196,12 @@ def run_with_mpirun(config: LaunchConfig, np: int, dry_run: bool = False,
     elif output_dir and not dry_run:
         sys.stderr.write(f"hvdlike-run: under MPICH's mpirun the ranks' output goes to "
                          f"{output_dir}/rank.N/stdout and stderr only\n")
-        try:
-            for rank in range(np):
-                os.makedirs(os.path.join(output_dir, f"rank.{rank}"), exist_ok=True)
-        except OSError as exc:
-            raise LaunchError(f"--output-filename {output_dir}: {exc.strerror or exc}") from None
+        # Folders made and files checked as without --mpi (no link another user
+        # planted, no folder of another user's); mpirun opens the files itself.
+        from .job import check_output_files
+
+        for rank in range(np):
+            check_output_files(output_dir, rank)
     with tempfile.TemporaryDirectory(prefix="hvdlike-mpi-") as folder:
         wrapper = _write_ssh_wrapper(folder, ssh_args) if ssh_args and flavour == MPICH else None
         argv = mpirun_command(flavour, np, config.hosts, config.command, names,
