@@ -257,6 +257,7 @@ class Health:
         self._published = None
         self._beats: Dict[int, tuple] = {}  # rank -> (counter, monotonic time it last moved)
         self._warned_silent = set()
+        self._warned_reset = set()  # ranks whose heartbeat record was removed
         self._last_stall_report = 0.0
         self._since: Dict[str, float] = {}  # rank 0: name -> when its wait began, our clock
         self._aborted = False
@@ -431,6 +432,15 @@ class Health:
         now = time.monotonic()
         for r, count in self._counters().items():
             last = self._beats.get(r)
+            if last is not None and count < last[0] and r not in self._warned_reset:
+                # Counters only grow: the record was removed (a client of the store
+                # that is not the job's can delete keys, see docs/security.md).
+                self._warned_reset.add(r)
+                logger.warning("the heartbeat record of rank %d went back from %d to %d: "
+                               "something other than the job removed it from the store; "
+                               "silence of that rank is no longer reported", r, last[0], count)
+            if r in self._warned_reset or r == self.rank:
+                continue  # its own beats say nothing about this process
             if last is None or last[0] != count:
                 self._beats[r] = (count, now)
                 self._warned_silent.discard(r)

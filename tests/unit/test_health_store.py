@@ -228,3 +228,28 @@ def test_after_close_the_store_can_still_be_read_for_a_late_error():
     assert w.health.host(0) == "host0 (pid 10)"
     w.health.announce("went away")
     assert w.health.announcements() == {1: "went away"}
+
+
+def test_removed_heartbeat_records_are_named_and_no_rank_reports_itself_silent(monkeypatch):
+    host = host_store(timeout=5)
+    w = Watcher(client(host, timeout=5), rank=0, size=3, stall_check=600)
+    try:
+        warned = []
+        monkeypatch.setattr(health.logger, "warning",
+                            lambda fmt, *args: warned.append(fmt % args))
+        clock = [1000.0]
+        monkeypatch.setattr(health.time, "monotonic", lambda: clock[0])
+        host.add("health/hb/1", 7)
+        host.add("health/hb/2", 7)
+        w.health._inspect()
+        # rank 1's record deleted by a client that is not the job's; rank 2 silent
+        host.delete_key("health/hb/1")
+        host.add("health/hb/1", 1)
+        clock[0] += 60
+        w.health._inspect()
+        assert any("heartbeat record of rank 1 went back from 7 to 1" in m for m in warned)
+        assert any("rank 2 on" in m and "signs of life" in m for m in warned), warned
+        # rank 0 beats on its own thread (not running here): never reported by itself
+        assert not any("rank 0 on" in m or "rank 1 on" in m for m in warned), warned
+    finally:
+        w.health.close(clean=True)
