@@ -95,7 +95,7 @@ def start(process_sets: Sequence[ps.ProcessSet], settings: dict, carried=None,
             # Before the build: a rank whose init() fails (a bad knob on one
             # host) must still end an mpirun job, whose other ranks are past
             # their own init() by then and wait for it.
-            atexit.register(shutdown)
+            atexit.register(_at_exit)
             _chain_excepthook()
             _SLOT.exit_hooks_installed = True
         built = Runtime.build(process_sets=process_sets, generation=_SLOT.next_generation(),
@@ -105,6 +105,17 @@ def start(process_sets: Sequence[ps.ProcessSet], settings: dict, carried=None,
         except BaseException:
             built.close()
             raise
+
+
+def _at_exit() -> None:
+    """The runtime's shutdown, then MPI's finalization (hvdlike's own, see
+    ``mpi_bootstrap.select_libmpi``): after the MPI planes are closed."""
+    try:
+        shutdown()
+    finally:
+        from . import mpi_bootstrap
+
+        mpi_bootstrap.finalize_at_exit()
 
 
 def _chain_excepthook() -> None:

@@ -151,14 +151,29 @@ def threads_disabled(environ: Mapping[str, str]) -> bool:
         raise ConfigError(f"{found[0]}={found[1]!r} is not valid: expected a boolean") from None
 
 
+# The process whose MPI hvdlike finalizes at exit (see select_libmpi), else None.
+_FINALIZER_PID: Optional[int] = None
+
+
 def select_libmpi(environ: Mapping[str, str]) -> None:
     """Point mpi4py at the launching MPI's library unless the user chose one; with
-    ``HVDLIKE_MPI_THREADS_DISABLE=1`` ask for MPI_THREAD_SINGLE (before MPI starts)."""
-    if threads_disabled(environ) and "mpi4py.MPI" not in sys.modules:
+    ``HVDLIKE_MPI_THREADS_DISABLE=1`` ask for MPI_THREAD_SINGLE (before MPI starts).
+
+    MPI started here is finalized by hvdlike, at exit, in this process only
+    (:func:`finalize_at_exit`): mpi4py's own exit hook finalizes MPI in every
+    process that exits with it loaded, a child forked after ``init()`` that
+    leaves through ``sys.exit`` too -- which hung an Open MPI job and failed an
+    MPICH one that had succeeded.
+    """
+    global _FINALIZER_PID
+    if "mpi4py.MPI" not in sys.modules:
         try:
             import mpi4py
 
-            mpi4py.rc.thread_level = "single"
+            if threads_disabled(environ):
+                mpi4py.rc.thread_level = "single"
+            mpi4py.rc.finalize = False
+            _FINALIZER_PID = os.getpid()
         except ImportError:
             pass
     if "MPI4PY_LIBMPI" in os.environ or "MPI4PY_MPIABI" in os.environ:
@@ -168,6 +183,21 @@ def select_libmpi(environ: Mapping[str, str]) -> None:
     path = libmpi_of_launcher(environ)
     if path:
         os.environ["MPI4PY_LIBMPI"] = path
+
+
+def finalize_at_exit() -> None:
+    """Finalize MPI if hvdlike started it in this very process (not in a forked
+    child) and it is still running; called after the runtime's shutdown at exit."""
+    if _FINALIZER_PID != os.getpid():
+        return
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None:
+        return
+    try:
+        if mpi.Is_initialized() and not mpi.Is_finalized():
+            mpi.Finalize()
+    except Exception:  # noqa: BLE001 - the process is exiting anyway
+        pass
 
 
 def _from_mpi(environ: Mapping[str, str], name: str, rank_var: str, size_var: str,

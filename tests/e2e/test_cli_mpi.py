@@ -52,3 +52,39 @@ def test_plain_open_mpi_mpirun_bootstraps_from_ompi_variables(marker):
     assert code == 0, err
     for rank in (0, 1):
         assert f"mpi rank={rank} size=2 local={rank} sum=3" in out
+
+
+FORKS = """
+    import os, sys
+    import torch
+    torch.set_num_threads(1)
+    import hvdlike.torch as hvd
+
+    hvd.init()
+    pid = os.fork()
+    if pid == 0:
+        sys.exit(0)  # a child leaving like any Python program: its exit hooks run
+    os.waitpid(pid, 0)
+    total = hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum).item()
+    print(f"rank={hvd.rank()} reaped its child, sum={total:g}", flush=True)
+"""
+
+
+@pytest.mark.parametrize("engine", MPI_ENGINES)
+def test_a_child_forked_after_init_exits_without_finalizing_the_parents_mpi(marker, engine):
+    """mpi4py's exit hook finalized MPI in the child too: Open MPI's job hung
+    (the children spun on, orphaned), MPICH's exited 15 after succeeding."""
+    import subprocess
+
+    env = mpi_env(engine, launcher_env())
+    env.pop("MPI4PY_LIBMPI", None)
+    script = write_script(marker, "forks.py", FORKS)
+    argv = ["mpirun", "-np", "2"] + (["--allow-run-as-root"]
+                                     if engine == "openmpi" and os.geteuid() == 0 else [])
+    proc = subprocess.Popen(argv + ["python", script], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    code, out, err = finish(proc, timeout=60)
+    assert code == 0, err
+    for rank in (0, 1):
+        assert f"rank={rank} reaped its child, sum=2" in out
