@@ -14,8 +14,12 @@ phases, each on the cheapest engine for it:
 * **inside each host** again: the leader's result is broadcast on shared memory.
 
 The reduction is associative for every op the plane runs (sum, product, min,
-max; average is a sum the executor scales afterwards), so the result equals
-the flat one up to the rounding of a different summation order.
+max; average is a sum the executor scales afterwards), so a sum or product
+equals the flat one up to the rounding of a different summation order. Min and
+max of floating tensors never arrive here as floats: the leaders' Gloo step
+would keep or drop a NaN by host order. The executor hands over their integer
+image (:mod:`.nan_order`), which every phase reduces exactly, so they equal
+the flat result bit for bit, NaN and the sign of zero included.
 
 :func:`wanted` decides per collective kind: ``HVDLIKE_HIERARCHICAL_ALLREDUCE``
 / ``HVDLIKE_HIERARCHICAL_ALLGATHER`` (or their ``HOROVOD_`` names) force it on
@@ -146,6 +150,8 @@ class HierarchicalGroup:
             phases.append(("SHM_REDUCE", started, time.monotonic()))
         if self.cross is not None:
             begun = time.monotonic()
+            # Gloo compares floats with < and >: a floating min or max comes as
+            # its integer image (see the module's docstring).
             self.cross.allreduce([flat], opts if opts is not None
                                  else dist.AllreduceOptions()).wait()
             phases.append(("GLOO_CROSS_ALLREDUCE", begun, time.monotonic()))
