@@ -575,13 +575,16 @@ def monitor(workers: Sequence[Worker], output: Output, grace_seconds: float,
     deferred: Optional[tuple] = None
     interrupts = 0
 
-    def stop_all(reason: str) -> None:
+    def stop_all(reason: str, every: bool = False) -> None:
+        """Stop the running ranks; ``every``: none of them ended first (a signal,
+        the output closed), so they are not "the other" ranks."""
         nonlocal stopping_since
         others = [w for w in live.values() if w.state is WorkerState.RUNNING]
         if stopping_since is None:
             stopping_since = clock()
             if others:
-                output.note(f"{reason}; stopping {len(others)} other rank(s)")
+                which = "" if every and len(others) == len(workers) else "other "
+                output.note(f"{reason}; stopping {len(others)} {which}rank(s)")
         for w in others:
             w.request_stop()
 
@@ -615,7 +618,7 @@ def monitor(workers: Sequence[Worker], output: Output, grace_seconds: float,
                 if result.interrupted is None:
                     result.interrupted = name
                     result.exit_code = 128 + event[1]
-                stop_all(f"received {name}")
+                stop_all(f"received {name}", every=True)
                 if interrupts > 1:
                     for w in live.values():
                         w.kill()
@@ -624,7 +627,7 @@ def monitor(workers: Sequence[Worker], output: Output, grace_seconds: float,
                 if result.interrupted is None and result.failure is None:
                     result.interrupted = closed_reason(event[1])
                     result.exit_code = CLOSED_OUTPUT_STATUS
-                stop_all(closed_reason(event[1]))
+                stop_all(closed_reason(event[1]), every=True)
             elif event and event[0] == "exit":
                 worker = live.pop(event[1])
                 code = event[2]

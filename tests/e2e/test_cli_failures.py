@@ -94,7 +94,7 @@ def test_an_interrupt_stops_every_rank(marker, sig, code):
     finally:
         kill_session(proc.pid)
     assert code_seen == code, err
-    assert f"received {sig.name}; stopping 2 other rank(s)" in err
+    assert f"received {sig.name}; stopping 2 rank(s)" in err
     assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
 
 
