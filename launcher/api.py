@@ -13,9 +13,11 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import signal
 import sys
+import threading
 from typing import (
-    Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union,
+    Any, Callable, Dict, Iterator, List, Mapping, NoReturn, Optional, Sequence, Tuple, Union,
 )
 
 from hvdlike.core import config as core_config
@@ -328,11 +330,30 @@ def run(
         return run_elastic_function(config, fn, args, kwargs)
     with shipped(config, fn, args, kwargs) as (job, store):
         result = job.run()
-        if result.interrupted:
-            raise KeyboardInterrupt(f"hvdlike.run interrupted ({result.interrupted})")
-        hosts = {p.rank: p.host for p in job.placements}
-        outcomes = gather(job, store, list(hosts), None, hosts.__getitem__)
+        if not result.interrupted:
+            hosts = {p.rank: p.host for p in job.placements}
+            outcomes = gather(job, store, list(hosts), None, hosts.__getitem__)
+    if result.interrupted:
+        interrupted(result.interrupted)
     return _collect(job, result, outcomes)
+
+
+def interrupted(reason: str) -> NoReturn:
+    """After a signal (or the output closing, ``reason``) stopped the job's ranks.
+
+    SIGINT raises ``KeyboardInterrupt``, as in any Python program. SIGTERM and
+    SIGHUP go on to the handler the caller had before ``run()`` (restored by
+    now): the caller's own runs, or the default action ends the process with
+    the signal's status, as it would have without ``run()``. Otherwise -- an
+    ignored signal, a handler that returned, the output closed -- raises
+    ``KeyboardInterrupt``.
+    """
+    number = getattr(signal, reason, None) if reason.startswith("SIG") else None
+    if (number is not None and number != signal.SIGINT
+            and threading.current_thread() is threading.main_thread()
+            and signal.getsignal(number) not in (signal.SIG_IGN, None)):
+        signal.raise_signal(number)
+    raise KeyboardInterrupt(f"hvdlike.run interrupted ({reason})")
 
 
 @contextlib.contextmanager

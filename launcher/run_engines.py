@@ -19,7 +19,7 @@ import dataclasses
 import sys
 from typing import Any, Callable, Dict, List
 
-from .api import RankError, first_cause, gather, raise_outcome, shipped
+from .api import RankError, first_cause, gather, interrupted, raise_outcome, shipped
 from .launch_config import LaunchConfig
 from .task import REFUSED, RUN_SECRET_ENV, RUN_STORE_ENV
 
@@ -49,28 +49,29 @@ def run_elastic_function(config: LaunchConfig, fn, args, kwargs) -> List[Any]:
 
     settings = config.elastic
     discovery, config = discovery_for(config, settings, _warn)
+    seen = []
     with shipped(config, fn, args, kwargs) as (job, store):
         driver = ElasticDriver(job, settings, discovery)
         result = driver.run()
-        if result.interrupted:
-            raise KeyboardInterrupt(f"hvdlike.run interrupted ({result.interrupted})")
-        hosts = {rank: member.slot.host for rank, member in enumerate(driver.members)}
+        if not result.interrupted:
+            hosts = {rank: member.slot.host for rank, member in enumerate(driver.members)}
 
-        def host_of(rank: int) -> str:
-            return hosts.get(rank, "?")
+            def host_of(rank: int) -> str:
+                return hosts.get(rank, "?")
 
-        # The ranks that completed the job did so in one generation, not always
-        # the newest: ranks that end without entering a generation published
-        # meanwhile complete the one before (its new ranks then leave). The
-        # results are those of the newest generation whose every rank has one.
-        seen = []
-        for number in range(driver.generation, 0, -1):
-            ranks = list(range(result.sizes[number - 1]))
-            found = gather(job, store, ranks, number, host_of)
-            if result.exit_code == 0 and len(found) == len(ranks) and \
-                    all(o["ok"] for o in found.values()):
-                return [found[rank]["value"] for rank in ranks]
-            seen.append((number, ranks, found))
+            # The ranks that completed the job did so in one generation, not always
+            # the newest: ranks that end without entering a generation published
+            # meanwhile complete the one before (its new ranks then leave). The
+            # results are those of the newest generation whose every rank has one.
+            for number in range(driver.generation, 0, -1):
+                ranks = list(range(result.sizes[number - 1]))
+                found = gather(job, store, ranks, number, host_of)
+                if result.exit_code == 0 and len(found) == len(ranks) and \
+                        all(o["ok"] for o in found.values()):
+                    return [found[rank]["value"] for rank in ranks]
+                seen.append((number, ranks, found))
+    if result.interrupted:
+        interrupted(result.interrupted)
     for number, ranks, found in seen:  # someone's fn raised: name it
         failed = {rank: o for rank, o in found.items() if not o["ok"] and not o.get("left")}
         if failed:  # the host each rank reported: the last generation's may differ

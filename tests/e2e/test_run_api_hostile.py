@@ -319,3 +319,67 @@ def test_a_valid_host_slots_list_still_runs(tagged):
     code, out, err = _run_caller(script, folder, env)
     assert code == 0, f"stdout:\n{out}\nstderr:\n{err}"
     assert "RESULT [3, 3]" in out.splitlines(), out
+
+
+SIGNALLED = """
+    import os, signal, sys, time
+
+    import hvdlike
+
+    def train():
+        import time
+        import torch
+        import hvdlike.torch as hvd
+        torch.set_num_threads(1)
+        hvd.init()
+        hvd.allreduce(torch.ones(1))
+        if hvd.rank() == 0:
+            print("RANKS UP", flush=True)
+        while True:
+            hvd.allreduce(torch.ones(1))
+            time.sleep(0.05)
+
+    def caller_handler(signum, frame):
+        print(f"CALLER HANDLER {{signum}}", flush=True)
+        sys.exit(42)
+
+    if __name__ == "__main__":
+        if {own_handler}:
+            signal.signal(signal.SIGTERM, caller_handler)
+        try:
+            hvdlike.run(train, np=2)
+        except KeyboardInterrupt as exc:
+            print(f"KEYBOARDINTERRUPT {{exc}}", flush=True)
+            sys.exit(5)
+"""
+
+
+@pytest.mark.parametrize("own_handler", [True, False], ids=["caller_handler", "default"])
+def test_sigterm_reaches_the_callers_handler_after_the_ranks_stop(tagged, own_handler):
+    """run() used to turn SIGTERM into KeyboardInterrupt, past the caller's own
+    handler (a caller catching Ctrl-C then exited 0 on a SIGTERM)."""
+    folder, env = tagged
+    script = folder / "caller.py"
+    script.write_text(textwrap.dedent(SIGNALLED.format(own_handler=own_handler)))
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=str(folder), env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        seen = ""
+        while "RANKS UP" not in seen and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            seen += line
+        assert "RANKS UP" in seen, seen + proc.stderr.read()
+        proc.send_signal(15)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        kill_session(proc.pid)
+    assert "KEYBOARDINTERRUPT" not in out, out + err
+    if own_handler:
+        assert "CALLER HANDLER 15" in out and proc.returncode == 42, (proc.returncode, out, err)
+    else:
+        assert proc.returncode == -15, (proc.returncode, out, err)
+    assert "received SIGTERM; stopping 2 rank(s)" in err
