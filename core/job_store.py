@@ -102,9 +102,25 @@ def client(addr: str, port: int, world_size: int, timeout: datetime.timedelta):
     if "error" in box:
         raise box["error"]
     if "store" not in box:
+        refused = _refused(addr, port)
+        if refused:  # torch's client was still retrying its connection
+            raise TimeoutError(f"nothing answered at {addr}:{port} within "
+                               f"{timeout.total_seconds():g}s ({refused}): the store is gone "
+                               f"or was never there")
         raise TimeoutError(f"{addr}:{port} accepted the connection but did not answer as a "
                            f"store (is it the job's rendezvous port?)")
     return box["store"]
+
+
+def _refused(addr: str, port: int) -> str:
+    """Why a plain TCP connection to ``addr:port`` fails now ("" when it connects)."""
+    import socket
+
+    try:
+        with socket.create_connection((addr, port), timeout=2.0):
+            return ""
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
 
 
 # Servers a runtime on part of the job hosted (init(comm=[ranks]) under srun):
