@@ -146,7 +146,28 @@ def forget(store, prefix: str, logs: List[KeyLog], rank: int, size: int) -> bool
         if other != rank and store.check([name]):
             everything.update(json.loads(store.get(name)))
         everything.add(name)
-    everything.add(counter)
+    everything.discard(counter)
     for key in sorted(everything):
         store.delete_key(key)
+    store.delete_key(counter)  # last: gone, it says this rank is done with the store
+    return True
+
+
+def wait_closed(store, prefix: str, seconds: float, poll: float = 0.02) -> bool:
+    """Wait (at most ``seconds``) until the last rank of the generation has
+    finished :func:`forget` -- every rank is done with the store; True if it did.
+
+    For the rank that hosts the store server (mpirun, srun) and is not the
+    last closer: dropping the server under a peer still deleting keys, or
+    still counting itself in, fills that peer's stderr with torch's
+    broken-connection warnings. The launcher waits for every rank anyway.
+    """
+    import time
+
+    counter = f"{prefix}{_CLOSED}"
+    deadline = time.monotonic() + seconds
+    while store.check([counter]):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll)
     return True

@@ -240,6 +240,11 @@ class JobStore:
         self._local = None
         self._views = []
 
+    @property
+    def hosts_server(self) -> bool:
+        """Whether this rank hosts the job's store server and drops it when it closes."""
+        return self._server is not None and not self.keep_server
+
     def joined(self) -> None:
         """Every rank has joined: rank 0 removes a secret it shared through a file."""
         if self.rendezvous.secret_file_tag and self.topology.rank == 0:

@@ -45,6 +45,9 @@ from .topology import horovod_variables
 
 # How long the teardown waits for a user thread's cycle to end (see Runtime._teardown).
 _TEARDOWN_WAIT_SECONDS = 5.0
+# How long a rank hosting the store (mpirun, srun) waits at a clean close for the
+# other ranks to be done with it (see generation_keys.wait_closed).
+_HOST_WAITS_SECONDS = 10.0
 # Idle back-off of the background loop (see Runtime._loop).
 _IDLE_CYCLES_BEFORE_BACKOFF = 8
 _IDLE_PAUSE_MAX_SECONDS = 0.05
@@ -370,8 +373,11 @@ class Runtime:
             # The registry's connection is idle by now: a new one would cost a
             # connect (and the store server's reverse lookup of this peer).
             store = self._key_logs[0].inner if self._key_logs else self.job_store.connect()
-            generation_keys.forget(store, self.store_prefix,
-                                   self._key_logs, self.topology.rank, self.topology.size)
+            last = generation_keys.forget(store, self.store_prefix, self._key_logs,
+                                          self.topology.rank, self.topology.size)
+            if not last and self.job_store.hosts_server and not generation_keys.wait_closed(
+                    store, self.store_prefix, _HOST_WAITS_SECONDS):
+                logger.debug("closing the store this rank hosts before every rank closed")
         except Exception as exc:  # the store went away with the job: nothing to keep tidy
             logger.debug("generation keys left in the store: %s", exc)
 

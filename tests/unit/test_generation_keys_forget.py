@@ -60,3 +60,17 @@ def test_the_last_closer_deletes_every_ranks_keys():
     assert not generation_keys.forget(store, "gen2/", [_Log(["gen2/a0"])], rank=0, size=3)
     assert generation_keys.forget(store, "gen2/", [_Log(["gen2/a1"])], rank=1, size=3)
     assert store.data == {}
+
+
+def test_the_host_waits_until_the_last_closer_is_done_and_no_longer():
+    store = _Store()
+    store.set("gen3/a1", "v")
+    # rank 0 (hosting the server) counts in first: rank 1 is still to close
+    assert not generation_keys.forget(store, "gen3/", [_Log([])], rank=0, size=2)
+    assert not generation_keys.wait_closed(store, "gen3/", seconds=0.05)
+    deleted = []
+    real_delete = store.delete_key
+    store.delete_key = lambda key: deleted.append(key) or real_delete(key)
+    assert generation_keys.forget(store, "gen3/", [_Log(["gen3/a1"])], rank=1, size=2)
+    assert deleted[-1] == "gen3/closed/count"  # its last word: done with the store
+    assert generation_keys.wait_closed(store, "gen3/", seconds=0.05)
