@@ -1,9 +1,10 @@
 """What the launcher and the ranks of an elastic job tell each other through the store.
 
-The launcher writes, for generation ``g``, one value under :func:`generation_key`
-listing every member (by worker id: the id of the process, stable for its
-whole life) with its topology in that generation, then sets :data:`LATEST_KEY`
-to ``g``. Ranks read the latest number at every commit and, when they re-form,
+The launcher writes, for generation ``g``, its roster (:func:`roster_key`: the
+members' worker ids, the id of a process being stable for its whole life), a
+seat per member, and one value under :func:`generation_key` listing every
+member with its topology in that generation, then sets :data:`LATEST_KEY` to
+``g``. Ranks read the latest number at every commit and, when they re-form,
 the member table of the generation they join. A process started for generation
 ``g`` finds ``g``, its worker id and its topology in its environment.
 
@@ -21,7 +22,7 @@ import hashlib
 import hmac
 import json
 import secrets
-from typing import Dict, Mapping, Optional
+from typing import Dict, List, Mapping, Optional
 
 # Set by the launcher on every rank of an elastic job.
 ENV_GENERATION = "HVDLIKE_ELASTIC_GENERATION"
@@ -39,6 +40,15 @@ TOPOLOGY_FIELDS = ("rank", "size", "local_rank", "local_size", "cross_rank", "cr
 
 def generation_key(number: int) -> str:
     return f"elastic/g{number}/members"
+
+
+def roster_key(number: int) -> str:
+    """Generation ``number``'s members' worker ids (MACed with the job secret).
+
+    What tells a process whose seat is missing whether it was left out of the
+    generation (not listed: it leaves) or someone deleted its seat (listed).
+    """
+    return f"elastic/g{number}/roster"
 
 
 def seat_key(number: int, worker: str) -> str:
@@ -75,17 +85,41 @@ def open_key(worker_secret: str, number: int, worker: str, sealed: bytes) -> byt
 
 
 def publish(store, generation: "Generation", worker_secrets: Mapping[str, str]) -> bytes:
-    """Write generation ``generation`` (not yet :data:`LATEST_KEY`): a fresh random key
-    sealed for each member, then the member table MACed with that key.
+    """Write generation ``generation`` (not yet :data:`LATEST_KEY`): its roster, a
+    fresh random key sealed for each member, then the member table MACed with
+    that key.
 
     ``store``: the job's authenticated store; returns the generation's key.
     """
     key = secrets.token_bytes(32)
+    store.set(roster_key(generation.number), json.dumps(sorted(generation.members)).encode())
     for worker in generation.members:
         store.set(seat_key(generation.number, worker),
                   seal_key(worker_secrets[worker], generation.number, worker, key))
     store.for_generation(key).set(generation_key(generation.number), generation.encode())
     return key
+
+
+def read_roster(store, number: int) -> Optional[List[str]]:
+    """Generation ``number``'s roster, or None once it is gone (the generation was
+    forgotten, or the key deleted).
+
+    Raises:
+        StoreTamperedError: the roster was not written by a holder of the job secret.
+    """
+    key = roster_key(number)
+    if not store.check([key]):
+        return None
+    try:
+        workers = json.loads(store.get(key).decode())
+    except ValueError:
+        workers = None
+    if not isinstance(workers, list) or not all(isinstance(w, str) for w in workers):
+        from hvdlike.core.store_auth import StoreTamperedError
+
+        # Signed, so written with the job secret -- but not by hvdlike's launcher.
+        raise StoreTamperedError(key, "holds something that is not a list of worker ids")
+    return workers
 
 
 def ready_key(number: int, worker: str) -> str:
@@ -124,7 +158,7 @@ MAX_KEY_LISTS = 8  # store views a runtime opens (it opens two today)
 def forget_generation(store, number: int, view=None) -> int:
     """Delete what generation ``number`` left in the store; return how many keys.
 
-    Its member table, sealed keys and ready marks, the launcher's reports of
+    Its roster, member table, sealed keys and ready marks, the launcher's reports of
     lost ranks, and every key its ranks' runtimes wrote (listed by them as
     they wrote, so a generation that ended in a failure is cleaned as well as
     one that closed cleanly). Call when no process uses the generation any
@@ -142,7 +176,10 @@ def forget_generation(store, number: int, view=None) -> int:
         return 0
     members = Generation.decode(view.get(members_key))
     prefix = generation_prefix(number)
-    doomed = [ready_key(number, w) for w in members.members] + [finished_key(number)]
+    # The roster goes first: a process that finds its seat missing while the
+    # roster still lists it knows that the seat was deleted by someone else.
+    doomed = [roster_key(number)]
+    doomed += [ready_key(number, w) for w in members.members] + [finished_key(number)]
     doomed += [seat_key(number, w) for w in members.members]
     doomed += [lost_key(number, r) for r in range(members.size)]
     for rank in range(members.size):

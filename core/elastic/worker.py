@@ -3,6 +3,15 @@
 One :class:`WorkerContext` per process (created on first use) keeps its own
 connection to the job's store, separate from the runtime's: the runtime is
 shut down and rebuilt on every re-form, this connection is not.
+
+Anybody who reaches the store can delete a key or write back a value read
+earlier under the same key, without any secret. Neither may pass for the
+launcher's word: a process whose seat was deleted is not "left out" (the
+generation's roster still lists it), and ``elastic/latest`` never goes
+backwards. Either raises :class:`ElasticStoreTampered`, and from then on the
+process trusts nothing more from the store (every later wait raises it again):
+it fails, and the launcher sees a member fail instead of one completing the
+job, or a job waiting in silence for a generation it was made to miss.
 """
 
 from __future__ import annotations
@@ -24,6 +33,16 @@ _POLL_SECONDS = 0.05
 DEFAULT_WAIT_SECONDS = 660.0
 
 
+class ElasticStoreTampered(StoreTamperedError):
+    """A record of the elastic protocol was deleted, or an older value of it written
+    back, by someone who reaches the job's store (neither needs the job secret)."""
+
+    def __init__(self, key: str, why: str):
+        HvdlikeInternalError.__init__(
+            self, f"the rendezvous store was tampered with: key {key!r} {why}")
+        self.key = key
+
+
 class WorkerContext:
     """This process's membership in an elastic job."""
 
@@ -39,6 +58,13 @@ class WorkerContext:
         self._job_store = None
         self._keys = {}  # generation number -> its key (generations this process was in)
         self._tamper_reported = False
+        # The newest generation this process knows was published: the one it was
+        # started for, then every one it read in elastic/latest or joined. The
+        # launcher writes elastic/latest before it starts a generation's processes
+        # and only ever raises it: a lower value is an old record written back.
+        self.newest = self.generation
+        # Once set, raised by every later look at the store (see the module's doc).
+        self.tampered: Optional[StoreTamperedError] = None
 
     @property
     def enabled(self) -> bool:
@@ -60,12 +86,36 @@ class WorkerContext:
         return self._store
 
     def latest(self) -> int:
-        """The newest generation the launcher has published (this one if none newer)."""
+        """The newest generation the launcher has published (this one if none newer).
+
+        Raises:
+            StoreTamperedError: ``elastic/latest`` holds a value the launcher did not
+                sign, or went backwards (:class:`ElasticStoreTampered`); so does every
+                call after such a one.
+        """
+        if self.tampered is not None:
+            raise self.tampered
         if not self.enabled:
             return self.generation
         if not self.store.check([protocol.LATEST_KEY]):
-            return self.generation
-        return int(self.store.get(protocol.LATEST_KEY).decode())
+            # Deleted (the launcher puts it back), or, where the launcher's part is
+            # played by hand, not written yet: nothing newer than what is known.
+            return self.newest
+        try:
+            value = int(self.store.get(protocol.LATEST_KEY).decode())
+        except StoreTamperedError as exc:
+            self.tampered = exc
+            raise
+        if value < self.newest:
+            self.tampered = ElasticStoreTampered(
+                protocol.LATEST_KEY,
+                f"went back from generation {self.newest} to {value}: an old record was "
+                "written back by a process without the job's secret (the launcher only "
+                f"ever announces newer generations); elastic worker {self.worker} stops "
+                "instead of waiting for generations it would not see")
+            raise self.tampered
+        self.newest = value
+        return value
 
     def finished(self) -> Optional[str]:
         """The worker id of a rank of this generation that completed the job, once
@@ -122,11 +172,56 @@ class WorkerContext:
 
     def read(self, number: int) -> protocol.Generation:
         """Generation ``number``'s member table (empty when this process has no seat:
-        it is not a member, and cannot read the table)."""
+        it is not a member, and cannot read the table -- or its seat was deleted:
+        ask :meth:`left_out` before leaving)."""
         view = self.view(number)
         if view is None:
             return protocol.Generation(number, {})
         return protocol.Generation.decode(view.get(protocol.generation_key(number)))
+
+    def left_out(self, number: int) -> bool:
+        """Whether the launcher left this process out of generation ``number``, in
+        which it found no place: True, it leaves (status 0); False, a newer
+        generation was published meanwhile (``number``, forgotten since, may have
+        taken its roster along): look at the newest one instead.
+
+        A missing seat alone cannot tell: anybody who reaches the store can delete
+        a key. The generation's roster (``elastic/g<N>/roster``, signed with the
+        job secret, deleted before the seats when the generation is forgotten) can.
+
+        Raises:
+            ElasticStoreTampered: the roster lists this process, whose seat is gone;
+                or the roster is gone while ``number`` is still the newest
+                generation. Either was deleted by someone else; leaving with status
+                0 would end the job as if this process had completed it.
+            StoreTamperedError: the roster was not signed with the job secret.
+        """
+        if not self.worker_secret:
+            return True  # no seats: the member table itself said so
+        seat = protocol.seat_key(number, self.worker)
+        roster_key = protocol.roster_key(number)
+        try:
+            roster = protocol.read_roster(self.store, number)
+        except StoreTamperedError as exc:
+            self.tampered = exc
+            raise
+        if roster is not None and self.worker not in roster:
+            return True
+        if roster is None and self.latest() > number:
+            return False
+        if roster is not None:
+            key, why = seat, (f"(this process's seat in generation {number}) was deleted, "
+                              f"though the generation's roster ({roster_key!r}) lists this "
+                              "process as a member")
+        else:
+            key, why = roster_key, (f"(generation {number}'s roster) was deleted while "
+                                    f"generation {number} is the newest one published, and "
+                                    f"this process's seat in it ({seat!r}) with it")
+        self.tampered = ElasticStoreTampered(
+            key, f"{why}: someone who reaches the job's store removed it (that needs no "
+            f"secret); elastic worker {self.worker} fails rather than leave as a process "
+            "left out of the job, which would let the job end as if it had completed")
+        raise self.tampered
 
     def wait_for_newer(self, clock: Callable[[], float] = time.monotonic,
                        sleep: Callable[[float], None] = time.sleep
@@ -146,6 +241,8 @@ class WorkerContext:
                 if self.finished() is not None:
                     return None
                 latest = self.latest()
+            except StoreTamperedError:
+                raise  # the store answers, but with something nobody may act on
             except Exception as exc:  # the launcher (and its store) went away
                 raise HvdlikeInternalError(
                     f"elastic worker {self.worker}: lost the launcher's store while waiting "
@@ -171,19 +268,20 @@ class WorkerContext:
 
         Raises:
             HvdlikeInternalError: the members did not all arrive in time.
+            ElasticStoreTampered: this process's seat was deleted (see :meth:`left_out`).
             SystemExit: the newest generation leaves this process out (status 0).
         """
         deadline = clock() + self.wait_seconds
         while True:
             latest = self.latest()
             if latest > self.generation:  # superseded before this process got here
-                if not self.join(self.read(latest)):
-                    logger.info("elastic worker %s is not part of generation %d; leaving",
-                                self.worker, latest)
-                    raise SystemExit(0)
+                if not self._move_to(latest):
+                    continue  # and again meanwhile: look at the newest
             number = self.generation
             members = self.read(number).members
             if self.worker not in members:
+                if not self.left_out(number):
+                    continue  # superseded meanwhile: the newest one may have a place
                 logger.info("elastic worker %s has no seat in generation %d; leaving",
                             self.worker, number)
                 raise SystemExit(0)
@@ -212,10 +310,23 @@ class WorkerContext:
                     view.get(key)
                 self._forget_older(number)
                 return
-            if not self.join(self.read(latest)):
-                logger.info("elastic worker %s is not part of generation %d; leaving",
-                            self.worker, latest)
-                raise SystemExit(0)
+            self._move_to(latest)
+
+    def _move_to(self, number: int) -> bool:
+        """Take this process's place in generation ``number``, newer than its own;
+        False when it has none there because a newer one superseded it meanwhile.
+
+        Raises:
+            SystemExit: the launcher left this process out (status 0).
+            ElasticStoreTampered: its seat there was deleted.
+        """
+        if self.join(self.read(number)):
+            return True
+        if not self.left_out(number):
+            return False
+        logger.info("elastic worker %s is not part of generation %d; leaving",
+                    self.worker, number)
+        raise SystemExit(0)
 
     def _forget_older(self, number: int) -> None:
         """Rank 0 of a generation every member has entered deletes the earlier
@@ -238,6 +349,7 @@ class WorkerContext:
         """Take this process's place in ``generation``; False if it is not a member."""
         topology = generation.topology_of(self.worker)
         self.generation = generation.number
+        self.newest = max(self.newest, generation.number)
         if topology is None:
             return False
         self.environ.update(protocol.rank_variables(topology, generation.number))
@@ -292,6 +404,9 @@ def reset(init: Callable[[], None], shutdown: Callable[[], None],
 
     Raises:
         HvdlikeInternalError: no newer generation came in time.
+        StoreTamperedError: the store was tampered with (a seat deleted, an old
+            ``elastic/latest`` written back, a forged record of the generation):
+            waiting for another generation would not undo it.
     """
     ctx = ctx or context()
     shutdown()
@@ -302,6 +417,8 @@ def reset(init: Callable[[], None], shutdown: Callable[[], None],
                            "leaving instead of re-forming", ctx.worker, ctx.finished())
             raise SystemExit(0)
         if not ctx.join(generation):
+            if not ctx.left_out(generation.number):
+                continue  # superseded meanwhile: the newest one may have a place
             logger.info("elastic worker %s is not part of generation %d; leaving",
                         ctx.worker, generation.number)
             raise SystemExit(0)
@@ -309,6 +426,11 @@ def reset(init: Callable[[], None], shutdown: Callable[[], None],
             init()
             return
         except HvdlikeInternalError as exc:
+            if isinstance(exc, StoreTamperedError) or ctx.tampered is not None:
+                # Not a member lost while forming: the launcher has no reason to
+                # publish another generation, and the members would wait for it.
+                shutdown()
+                raise
             logger.warning("generation %d did not form (%s); waiting for the next one",
                            generation.number, exc)
             shutdown()

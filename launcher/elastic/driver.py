@@ -17,6 +17,10 @@ blacklisted for good ends the job with a message that says which, followed by
 every rank that was lost and why. The job succeeds once a rank of the current
 generation exits 0 and every other process has ended; from that exit on no
 generation follows, and ranks waiting to re-form leave (exit 0).
+
+``elastic/latest`` is the driver's alone: anything else found there (the key
+deleted, or an earlier generation's signed value written back -- neither needs
+the job secret) is put back, with a note.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import time
 from typing import Callable, Dict, List, Optional
 
 from hvdlike.core.elastic import protocol
+from hvdlike.core.job_secret import StoreTamperedError
 
 from ..monitor import (
     CLOSED_OUTPUT_STATUS, Output, Worker, WorkerState, _ClosedOutput, _Interrupts, closed_reason,
@@ -48,6 +53,8 @@ SETTLE_SECONDS = 0.5
 # one still running this long afterwards is stopped.
 REMOVED_GRACE_SECONDS = 30.0
 WAIT_MARGIN_SECONDS = 60.0
+# How often the driver checks that elastic/latest still says what it wrote.
+LATEST_CHECK_SECONDS = 0.2
 
 
 @dataclasses.dataclass
@@ -115,6 +122,8 @@ class ElasticDriver:
         self._stop_discovery = threading.Event()
         self._secrets: Dict[str, str] = {}  # worker id -> its own secret (seals its keys)
         self._keys: Dict[int, bytes] = {}  # generation number -> its key
+        self._latest_checked = float("-inf")
+        self._latest_restored = 0  # times elastic/latest was found changed and put back
 
     # -- the loop --------------------------------------------------------------------
 
@@ -166,6 +175,8 @@ class ElasticDriver:
                     self._schedule_reform()
             if self.result.interrupted is None and not self._finishing and self.result.exit_code == 0:
                 self._check_progress()
+            if self.result.interrupted is None and self.result.exit_code == 0:
+                self._guard_latest()
             self._stop_removed()
             if not self.live and (self._finishing or self.result.interrupted
                                   or self.result.exit_code != 0):
@@ -253,6 +264,46 @@ class ElasticDriver:
         except Exception as exc:  # the survivors' diagnosis falls back to heartbeats
             self.output.note(f"could not report rank {rank}'s end to its peers: {exc}")
 
+    def _guard_latest(self) -> None:
+        """Put ``elastic/latest`` back when it no longer says the newest generation.
+
+        Anybody who reaches the store can delete the key or write back the value
+        it had for an earlier generation (signed, but old): ranks waiting for the
+        newest generation would wait without end, having never seen it. Ranks
+        that did see it refuse the older value (core/elastic/worker.py).
+        """
+        now = self.clock()
+        if self.generation == 0 or now - self._latest_checked < LATEST_CHECK_SECONDS:
+            return
+        self._latest_checked = now
+        expected = str(self.generation)
+        try:
+            if not self.store.check([protocol.LATEST_KEY]):
+                found = None
+            else:
+                try:
+                    found = self.store.get(protocol.LATEST_KEY).decode(errors="replace")
+                except StoreTamperedError:
+                    found = ""
+            if found == expected:
+                return
+            self.store.set(protocol.LATEST_KEY, expected.encode())
+        except Exception:  # noqa: BLE001 - the store is closing with the job: nothing to guard
+            return
+        self._latest_restored += 1
+        if self._latest_restored > 1 and self._latest_restored % 50:
+            return  # said already; an attacker that keeps at it gets a line every 50
+        if found is None:
+            what = f"elastic/latest (generation {expected}) was deleted from the job's store"
+        elif found:
+            what = (f"elastic/latest in the job's store said generation {found} instead of "
+                    f"{expected}: an old record was written back")
+        else:
+            what = (f"elastic/latest in the job's store held a value hvdlike did not sign "
+                    f"instead of generation {expected}")
+        again = f" ({self._latest_restored} times so far)" if self._latest_restored > 1 else ""
+        self.output.note(f"{what} by a process without the job's secret; restored it{again}")
+
     def _hosts_matter(self) -> bool:
         """Whether the new host list calls for a re-form."""
         now = self.clock()
@@ -321,14 +372,14 @@ class ElasticDriver:
                 self._secrets[m.worker] = secrets.token_hex(16)
         self._keys[number] = protocol.publish(self.store, generation, self._secrets)
         self.members = members
-        started = []
         for m in members:
-            placement = places[m.worker]
-            if m.new:
-                started.append(self._start(m.worker, placement, number))
-            else:
-                self.workers[m.worker].placement = placement  # output prefix: the new rank
+            if not m.new:
+                self.workers[m.worker].placement = places[m.worker]  # output prefix: the new rank
+        # Announced before any of its processes starts: a process started for
+        # generation N never legitimately reads an older elastic/latest, so a
+        # rank takes any value below what it knows for an old record written back.
         self.store.set(protocol.LATEST_KEY, str(number).encode())
+        started = [self._start(m.worker, places[m.worker], number) for m in members if m.new]
         self.result.generations = number
         self.result.sizes.append(len(members))
         hosts = ", ".join(f"{h}:{sum(1 for m in members if m.slot.host == h)}"
