@@ -59,12 +59,11 @@ class CycleResult:
     learned-order vote. (``fast``/``coordinated`` describe how, for the timeline.)
     """
 
-    __slots__ = ("work", "shutdown", "stalled", "fast", "coordinated", "voted")
+    __slots__ = ("work", "shutdown", "fast", "coordinated", "voted")
 
     def __init__(self):
         self.work: List[Tuple[Response, Optional[Entry]]] = []
         self.shutdown = False
-        self.stalled: List[Tuple[str, float, List[int]]] = []
         self.fast = False
         # Every member's input of ``work[0]`` (an allreduce), exchanged with the
         # vote: the executor reduces it from these, with no exchange of its own.
@@ -240,8 +239,6 @@ class Controller:
             self.slow_cycles += 1
             result.coordinated = len(result.work)
             result.work.extend(self._negotiate_uncached())
-        if self.coordinator is not None:
-            result.stalled = self.coordinator.pending()
         return result
 
     def _malformed(self, member: int, problem: str) -> HvdlikeInternalError:
@@ -338,8 +335,6 @@ class Controller:
         if parts is not None:
             self.voted_allreduces += 1
             result.voted = parts
-        if self.coordinator is not None:
-            result.stalled = self.coordinator.pending()
         return True
 
     def _negotiate_uncached(self) -> List[Tuple[Response, Optional[Entry]]]:
