@@ -186,8 +186,7 @@ class SampleLog:
     def __init__(self, path: str):
         self.path = path
         try:
-            # No link planted in a shared folder followed, (run as root) no other user's folder
-            # written into (see output_file).
+            # No link planted in a shared folder followed (see output_file).
             with os.fdopen(open_output_file(path), "w") as f:
                 f.write(",".join(CSV_HEADER) + "\n")
         except OSError as exc:

@@ -117,10 +117,12 @@ def forget(store, prefix: str, logs: List[KeyLog], rank: int, size: int) -> bool
     groups are closed and its health watcher has stopped). Every rank counts
     itself in after publishing its list; the one that completes the count
     knows every other rank has stopped touching the generation too, reads
-    the lists and deletes every key. No rank waits for another: a rank whose
-    script goes on computing after the job's last collective does not hold
-    up the others' exit (rank 0 used to wait for every list, up to 10 s).
-    A rank that never gets here (it died) leaves the keys in the store.
+    the lists and deletes every key. No rank waits for another here: a rank
+    whose script goes on computing after the job's last collective does not
+    hold up the others' exit. (Only a rank that hosts the store server waits
+    for the last closer afterwards, see :func:`wait_closed`; its launcher,
+    mpirun or srun, waits for every rank anyway.) A rank that never gets
+    here (it died) leaves the keys in the store.
 
     Args:
         store: the Python store the logs wrote to (keys as the logs recorded them).

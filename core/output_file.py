@@ -15,10 +15,6 @@ a link (``O_NOFOLLOW | O_DIRECTORY``) and created there when asked
   rule would follow it: not one in a sticky, world-writable folder (``/tmp``)
   owned by neither that folder's owner nor the current (effective) user -- what
   the kernel refuses when the rule is on, refused here when it is off;
-* run as root, a folder hvdlike creates something in or writes a file into
-  must belong to root: another user's folder lets that user swap what is in
-  it at any moment (a hard link to a file of root's where the kernel allows
-  it); other users may write into folders they share;
 * the names hvdlike picks itself (``rank.N``, the file) are never followed when
   they are links, whoever made them.
 
@@ -61,20 +57,6 @@ def _who(uid: int) -> str:
         return f"uid {uid}"
 
 
-def _check_folder_owner(fd: int, shown: str) -> None:
-    """Running as root, refuse writing into the folder ``fd`` when another user
-    owns it. (Other users share folders on purpose -- a project folder of a
-    group -- and what they can do there to each other does not reach root.)"""
-    if os.geteuid() != 0:
-        return
-    owner = os.fstat(fd).st_uid
-    if owner != 0:
-        raise UnsafeOutputPath(
-            shown, f"is a folder owned by {_who(owner)}, who could swap what hvdlike "
-                   "creates there for a link to a file of yours; refusing to write into it "
-                   "(use a folder of your own)")
-
-
 def _check_link(parent_fd: int, parent_shown: str, link: os.stat_result, shown: str) -> None:
     """Refuse a symbolic link the kernel's ``fs.protected_symlinks`` rule would not follow."""
     if link.st_uid == os.geteuid():
@@ -102,8 +84,7 @@ def _walk(path: str, make: bool, own_names: int) -> Tuple[int, str]:
 
     ``make``: create missing folders (one at a time, each in the folder opened
     before it). ``own_names``: how many trailing components hvdlike named itself
-    (``rank.N``): never followed as links, and the folder each is in must be
-    the user's or root's. Raises ``OSError`` naming the component that failed.
+    (``rank.N``): never followed as links. Raises ``OSError`` naming the component that failed.
     """
     parts = _components(path)
     guarded_from = len(parts) - own_names
@@ -118,14 +99,11 @@ def _walk(path: str, make: bool, own_names: int) -> Tuple[int, str]:
             here = _join(shown, name)
             guarded = index is not None and index >= guarded_from
             try:
-                if guarded:
-                    _check_folder_owner(fd, shown or ".")
                 try:
                     found = os.stat(name, dir_fd=fd, follow_symlinks=False)
                 except FileNotFoundError:
                     if not make or index is None:
                         raise
-                    _check_folder_owner(fd, shown or ".")
                     try:
                         os.mkdir(name, 0o777, dir_fd=fd)
                     except FileExistsError:
@@ -176,15 +154,12 @@ def output_folder(path: str, make: bool = False, own_names: int = 0) -> None:
     trailing components hvdlike named itself (``rank.N``: 1).
 
     Raises:
-        UnsafeOutputPath: a link or folder on the way another user controls.
+        UnsafeOutputPath: a link on the way another user controls.
         OSError: naming the component, when it is missing (``make`` off) or not
             a folder.
     """
-    fd, shown = _walk(path, make, own_names)
-    try:
-        _check_folder_owner(fd, shown)
-    finally:
-        os.close(fd)
+    fd, _ = _walk(path, make, own_names)
+    os.close(fd)
 
 
 def open_output_file(path: str, truncate: bool = True, create: bool = True,
@@ -200,7 +175,7 @@ def open_output_file(path: str, truncate: bool = True, create: bool = True,
     docstring.
 
     Raises:
-        UnsafeOutputPath: a link or folder on the way another user controls.
+        UnsafeOutputPath: a link on the way another user controls.
         OSError: naming ``path`` (or the folder on the way that failed), also
             when it is a symbolic link or not a regular file.
     """
@@ -211,9 +186,8 @@ def open_output_file(path: str, truncate: bool = True, create: bool = True,
              | os.O_CLOEXEC | (os.O_CREAT if create else 0))
     if not read:
         flags |= os.O_TRUNC if truncate else os.O_APPEND
-    dir_fd, shown = _walk(folder, make_folders, max(own_names - 1, 0))
+    dir_fd, _ = _walk(folder, make_folders, max(own_names - 1, 0))
     try:
-        _check_folder_owner(dir_fd, shown)
         fd = os.open(name, flags, 0o644, dir_fd=dir_fd)
     except UnsafeOutputPath:
         raise

@@ -104,7 +104,7 @@ class Timeline:
             raise _NotATimeline(path)
         if self._file is None:
             # Not through a symbolic link planted in a shared folder, on the way or
-            # at the file, nor (run as root) into another user's folder (see output_file).
+            # at the file (see output_file).
             self._file = os.fdopen(open_output_file(path), "w", encoding="utf-8")
             self._file.write("[\n")
         self._written = self._file.tell()

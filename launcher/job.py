@@ -58,9 +58,9 @@ def check_output_files(output_dir: str, rank: int) -> None:
     """Create ``output_dir/rank.N/{stdout,stderr}`` as the rank's output will be
     written (see :mod:`hvdlike.core.output_file`): regular files only, no symbolic
     link followed at ``rank.N`` or the file, none another user planted in a
-    sticky shared folder on the way, (as root) no folder of another user written into --
-    something planted in a shared folder (a FIFO that would block the launcher,
-    a link to a file of the user's) is refused by name."""
+    sticky shared folder on the way -- something planted in a shared folder (a
+    FIFO that would block the launcher, a link to a file of the user's) is
+    refused by name."""
     from hvdlike.core.output_file import UnsafeOutputPath, open_output_file
 
     folder = os.path.join(output_dir, f"rank.{rank}")

@@ -381,8 +381,8 @@ class Worker:
             path = os.path.join(self._log_dir, f"rank.{self.rank}", stream)
             try:
                 # The rank's bytes as they came, not re-encoded; never through a
-                # symbolic link, (as root) into another user's folder or into a FIFO planted
-                # since the launcher's check (folders made one at a time, see output_file).
+                # symbolic link or into a FIFO planted since the launcher's check
+                # (folders made one at a time, see output_file).
                 log = os.fdopen(open_output_file(path, make_folders=True, own_names=2), "wb")
             except OSError as exc:  # the rank's output still reaches the launcher's streams
                 self._output.note(f"cannot write {path}: {exc.strerror or exc}")

@@ -531,6 +531,10 @@ class _Distributed:
             yield
         finally:
             self._hvd_should_sync = previous
+            # The round ends here even when step() did not run (GradScaler skips
+            # it after an overflow, on every rank alike): the next synchronize()
+            # submits every gradient again, backward or not.
+            self._hvd_synchronized = False
 
     # -- optimizer interface ---------------------------------------------------
 
@@ -568,7 +572,9 @@ class _Distributed:
             user_closure = closure
 
             def closure():
-                # Each evaluation must see reduced gradients (LBFGS calls it repeatedly).
+                # Each evaluation must see reduced gradients (LBFGS calls it
+                # repeatedly), and is a round of its own, backward or not.
+                self._hvd_synchronized = False
                 with torch.enable_grad():
                     loss = user_closure()
                 self.synchronize()
@@ -611,7 +617,8 @@ class _Distributed:
     synchronize = eager(synchronize)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self._hvd_passes and not (self._hvd_handles or self._hvd_deferred):
+        if self._hvd_k > 1 and self._hvd_passes and not (self._hvd_handles
+                                                         or self._hvd_deferred):
             done = max(self._hvd_passes.values())
             raise RuntimeError(
                 f"DistributedOptimizer.zero_grad() was called after {done} of "
@@ -619,7 +626,7 @@ class _Distributed:
                 f"synchronize(): it would drop the gradients accumulated so far on this rank "
                 f"while the next passes count on. Call step() (it reduces what has "
                 f"accumulated, on every rank) or synchronize() first")
-        if (self._hvd_handles or self._hvd_deferred
+        if (self._hvd_handles or self._hvd_deferred or self._hvd_passes
                 or any(b.pending < b.size for b in self._hvd_buckets)):
             raise RuntimeError(
                 "DistributedOptimizer.zero_grad() was called after backward() but before "
@@ -631,6 +638,7 @@ class _Distributed:
         self._hvd_passes = {}
         self._hvd_group_ready = {}
         self._hvd_round_open = False
+        self._hvd_synchronized = False  # a new round: its synchronize() submits everything
         for bucket in self._hvd_buckets:
             bucket.release()  # where a plain loop drops its gradients (see buckets.py)
         return super().zero_grad(set_to_none=set_to_none)

@@ -64,8 +64,25 @@ def _one_rank_skips_backward():
     except RuntimeError as exc:
         refused = str(exc)
     opt.step()
+    # A round synchronized but not stepped (GradScaler skips step() after an
+    # overflow, on every rank alike), then one where rank 1 has no batch and the
+    # gradients were cleared by the model, not the optimizer.
+    m = model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                   named_parameters=m.named_parameters())
+    F.mse_loss(m(X[0, r]), Y[0, r]).backward()
+    opt.synchronize()
+    with opt.skip_synchronize():
+        pass  # the scaler found inf: no step
+    m.zero_grad()
+    if r == 0:
+        F.mse_loss(m(X[1, r]), Y[1, r]).backward()
+    opt.synchronize()
+    grads = torch.cat([p.grad.reshape(-1) for p in m.parameters()])
+    with opt.skip_synchronize():
+        opt.step()
     hvd.barrier()
-    return got, want, unskipped, refused
+    return got, want, unskipped, refused, grads
 
 
 def test_a_rank_stepping_without_backward_submits_its_gradients_as_horovod_does():
@@ -76,7 +93,8 @@ def test_a_rank_stepping_without_backward_submits_its_gradients_as_horovod_does(
                         env={"HVDLIKE_STALL_CHECK_TIME_SECONDS": "5",
                              "HVDLIKE_STALL_SHUTDOWN_TIME_SECONDS": "10"})
     assert torch.equal(results[0][0], results[1][0])
-    for got, want, unskipped, refused in results:
+    assert torch.equal(results[0][4], results[1][4])  # rank 1 took part, with zeros
+    for got, want, unskipped, refused, _ in results:
         assert torch.allclose(got, want, atol=1e-6), (got, want)
         # the oracle tells the difference: the skipped batches change the result
         assert (want - unskipped).abs().max() > 1e-3
