@@ -97,10 +97,12 @@ def test_deleted_seats_fail_the_job_instead_of_completing_it_untrained(marker):
     assert not re.search(r"rank \d completed", err), err
     assert "DONE" not in out and "GEN" not in out, out + err
     assert "the rendezvous store was tampered with" in err, err
-    for worker in ("w0", "w1"):
-        assert f"key 'elastic/g1/seat/{worker}' (this process's seat in generation 1) " \
-               "was deleted" in err, err
-    assert "lost rank 0 (generation 1) on host localhost: exited with code 1" in err, err
+    # Whichever process finds its seat gone first fails the job; the launcher may
+    # stop the other before it looks.
+    assert re.search(r"key 'elastic/g1/seat/w[01]' \(this process's seat in generation 1\) "
+                     r"was deleted", err), err
+    assert re.search(r"lost rank [01] \(generation 1\) on host localhost: exited with code 1",
+                     err), err
 
 
 def _shrink_under_replay(marker, steps, **replay):
