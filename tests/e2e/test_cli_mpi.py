@@ -37,18 +37,23 @@ def test_mpirun_job_runs_collectives(marker, engine):
         assert "passing --allow-run-as-root to Open MPI's mpirun" in err
 
 
-def test_plain_open_mpi_mpirun_bootstraps_from_ompi_variables(marker):
-    """``mpirun -np 2 python train.py`` with no hvdlike launcher: ranks read OMPI_*."""
+def _plain_mpirun(engine, script, timeout):
+    """``mpirun -np 2 python script`` of ``engine``, no hvdlike launcher: (code, out, err)."""
     import subprocess
 
-    env = mpi_env("openmpi", launcher_env())
+    env = mpi_env(engine, launcher_env())
     env.pop("MPI4PY_LIBMPI", None)
-    script = write_script(marker, "job.py", JOB)
-    argv = ["mpirun", "-np", "2"] + (["--allow-run-as-root"] if os.geteuid() == 0 else [])
+    argv = ["mpirun", "-np", "2"] + (["--allow-run-as-root"]
+                                     if engine == "openmpi" and os.geteuid() == 0 else [])
     proc = subprocess.Popen(argv + ["python", script], cwd=ROOT, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True)
-    code, out, err = finish(proc, timeout=150)
+    return finish(proc, timeout=timeout)
+
+
+def test_plain_open_mpi_mpirun_bootstraps_from_ompi_variables(marker):
+    """``mpirun -np 2 python train.py`` with no hvdlike launcher: ranks read OMPI_*."""
+    code, out, err = _plain_mpirun("openmpi", write_script(marker, "job.py", JOB), 150)
     assert code == 0, err
     for rank in (0, 1):
         assert f"mpi rank={rank} size=2 local={rank} sum=3" in out
@@ -74,17 +79,7 @@ FORKS = """
 def test_a_child_forked_after_init_exits_without_finalizing_the_parents_mpi(marker, engine):
     """mpi4py's exit hook finalized MPI in the child too: Open MPI's job hung
     (the children spun on, orphaned), MPICH's exited 15 after succeeding."""
-    import subprocess
-
-    env = mpi_env(engine, launcher_env())
-    env.pop("MPI4PY_LIBMPI", None)
-    script = write_script(marker, "forks.py", FORKS)
-    argv = ["mpirun", "-np", "2"] + (["--allow-run-as-root"]
-                                     if engine == "openmpi" and os.geteuid() == 0 else [])
-    proc = subprocess.Popen(argv + ["python", script], cwd=ROOT, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            start_new_session=True)
-    code, out, err = finish(proc, timeout=60)
+    code, out, err = _plain_mpirun(engine, write_script(marker, "forks.py", FORKS), 60)
     assert code == 0, err
     for rank in (0, 1):
         assert f"rank={rank} reaped its child, sum=2" in out
@@ -109,18 +104,9 @@ def test_a_clean_mpirun_job_ends_without_store_connection_warnings(marker, engin
     """Under mpirun rank 0 hosts the store: it used to drop it under ranks still
     closing, whose stderr filled with torch's "Broken pipe ... Did the remote
     server shutdown or crash?" warnings and C++ frames (4 runs of 5)."""
-    import subprocess
-
-    env = mpi_env(engine, launcher_env())
-    env.pop("MPI4PY_LIBMPI", None)
     script = write_script(marker, "clean.py", CLEAN)
-    argv = ["mpirun", "-np", "2"] + (["--allow-run-as-root"]
-                                     if engine == "openmpi" and os.geteuid() == 0 else [])
     for _ in range(3):
-        proc = subprocess.Popen(argv + ["python", script], cwd=ROOT, env=env, text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                start_new_session=True)
-        code, out, err = finish(proc, timeout=60)
+        code, out, err = _plain_mpirun(engine, script, 60)
         assert code == 0, err
         assert "rank=0 clean" in out and "rank=1 clean" in out
         for noise in ("recvValue failed", "Broken pipe", "Connection was likely closed"):
