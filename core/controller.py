@@ -23,7 +23,7 @@ import time
 from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from .coordinator import Coordinator
-from .errors import HvdlikeInternalError
+from .errors import HvdlikeInternalError, malformed_message
 from .messages import OpType, Request, Response, malformed
 from .response_cache import Lookup, ResponseCache
 from .sequence import LearnedSequence
@@ -242,10 +242,7 @@ class Controller:
         return result
 
     def _malformed(self, member: int, problem: str) -> HvdlikeInternalError:
-        return HvdlikeInternalError(
-            f"rank {self.ranks[member]} sent a malformed negotiation message: {problem}. "
-            f"An hvdlike rank cannot build it: that process is not running hvdlike's code "
-            f"(or its memory is damaged); the job cannot go on with it")
+        return malformed_message(self.ranks[member], problem)
 
     def _requests_from(self, member: int, data: bytes) -> List[Request]:
         """Member ``member``'s requests of this cycle, each checked (coordinator only)."""

@@ -60,6 +60,19 @@ class DuplicateNameError(HvdlikeError, ValueError):
     """A tensor name was submitted again while the first submission is still in flight."""
 
 
+def malformed_message(rank: int, problem: str,
+                      shared_memory: bool = False) -> HvdlikeInternalError:
+    """The job's error when rank ``rank`` sent (``shared_memory``: wrote into the
+    shared-memory control block) a negotiation message no hvdlike rank produces;
+    ``problem`` says what is wrong with it."""
+    did = ("wrote a malformed negotiation message into shared memory" if shared_memory
+           else "sent a malformed negotiation message")
+    return HvdlikeInternalError(
+        f"rank {rank} {did}: {problem}. An hvdlike rank cannot produce it: that process "
+        f"is not running hvdlike's code (or its memory is damaged); the job cannot go on "
+        f"with it")
+
+
 class StallError(HvdlikeInternalError):
     """Some ranks waited too long for others to submit a collective."""
 

@@ -17,7 +17,7 @@ import struct
 from typing import Callable, List, Optional, Sequence
 
 from . import shm_segment
-from .errors import SHUT_DOWN, HvdlikeInternalError
+from .errors import SHUT_DOWN, HvdlikeInternalError, malformed_message
 from .memo import BoundedMemo
 
 SLOT_BYTES = 64 * 1024
@@ -191,10 +191,7 @@ class ShmControlPlane:
         return parts[0]
 
     def _malformed(self, member: int, problem: str) -> HvdlikeInternalError:
-        return HvdlikeInternalError(
-            f"rank {self.ranks[member]} wrote a malformed negotiation message into shared "
-            f"memory: {problem}. An hvdlike rank cannot write it: that process is not "
-            f"running hvdlike's code (or its memory is damaged); the job cannot go on with it")
+        return malformed_message(self.ranks[member], problem, shared_memory=True)
 
     def _mapping(self):
         """The segment's memory; a clear error once the runtime closed this plane

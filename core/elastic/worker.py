@@ -280,11 +280,8 @@ class WorkerContext:
             number = self.generation
             members = self.read(number).members
             if self.worker not in members:
-                if not self.left_out(number):
-                    continue  # superseded meanwhile: the newest one may have a place
-                logger.info("elastic worker %s has no seat in generation %d; leaving",
-                            self.worker, number)
-                raise SystemExit(0)
+                self.leave_if_left_out(number)
+                continue  # superseded meanwhile: the newest one may have a place
             view = self.view(number)
             view.set(protocol.ready_key(number, self.worker), b"1")
             keys = [protocol.ready_key(number, w) for w in members]
@@ -322,11 +319,22 @@ class WorkerContext:
         """
         if self.join(self.read(number)):
             return True
-        if not self.left_out(number):
-            return False
-        logger.info("elastic worker %s is not part of generation %d; leaving",
-                    self.worker, number)
-        raise SystemExit(0)
+        self.leave_if_left_out(number)
+        return False
+
+    def leave_if_left_out(self, number: int) -> None:
+        """Having found no place in generation ``number``: leave (status 0) when
+        the launcher left this process out; return when a newer generation
+        superseded it meanwhile (the caller looks at the newest).
+
+        Raises:
+            SystemExit: left out.
+            ElasticStoreTampered: its seat there was deleted (see :meth:`left_out`).
+        """
+        if self.left_out(number):
+            logger.info("elastic worker %s is not part of generation %d; leaving",
+                        self.worker, number)
+            raise SystemExit(0)
 
     def _forget_older(self, number: int) -> None:
         """Rank 0 of a generation every member has entered deletes the earlier
@@ -417,11 +425,8 @@ def reset(init: Callable[[], None], shutdown: Callable[[], None],
                            "leaving instead of re-forming", ctx.worker, ctx.finished())
             raise SystemExit(0)
         if not ctx.join(generation):
-            if not ctx.left_out(generation.number):
-                continue  # superseded meanwhile: the newest one may have a place
-            logger.info("elastic worker %s is not part of generation %d; leaving",
-                        ctx.worker, generation.number)
-            raise SystemExit(0)
+            ctx.leave_if_left_out(generation.number)
+            continue  # superseded meanwhile: the newest one may have a place
         try:
             init()
             return
