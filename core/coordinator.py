@@ -245,10 +245,18 @@ class Coordinator:
                             group, ("another of its members failed",))[0]))
 
     def pending(self, now: Optional[float] = None) -> List[Tuple[str, float, List[int]]]:
-        """``(name, seconds waiting, ranks missing)`` for every incomplete name."""
+        """``(name, seconds waiting, global ranks missing)`` for every incomplete name.
+
+        Safe to call from another thread (the health watcher's): it reads a
+        snapshot of the table the negotiating thread changes."""
         now = time.monotonic() if now is None else now
+        ranks = self.ranks or list(range(self.size))
+        joined = set(self.joined)
         result = []
-        for name, row in self._table.items():
-            missing = [r for r in range(self.size) if r not in row and r not in self.joined]
-            result.append((name, now - self._first_seen[name], missing))
+        for name, row in list(self._table.items()):
+            first = self._first_seen.get(name)
+            if first is None:  # released between the snapshot and this read
+                continue
+            missing = [ranks[r] for r in range(self.size) if r not in row and r not in joined]
+            result.append((name, now - first, missing))
         return result

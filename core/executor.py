@@ -141,10 +141,12 @@ class Executor:
     """
 
     def __init__(self, groups, rank: int, size: int, settings, hooks: CompletionHooks,
-                 recording, host: str = "", adasum_hierarchical: Optional[bool] = None):
+                 recording, host: str = "", adasum_hierarchical: Optional[bool] = None,
+                 ranks: Optional[Sequence[int]] = None):
         self.groups = groups
         self.rank = rank
         self.size = size
+        self.ranks = list(ranks) if ranks is not None else list(range(size))  # global, to name
         self.settings = settings
         self.complete = hooks.complete
         self.complete_many = hooks.complete_many
@@ -537,10 +539,18 @@ class Executor:
         rest = tuple(response.shape[1:])
         dtype = torch_dtype(response.dtype)
         device = self._device(response, entry)
-        local = torch.zeros((longest,) + rest, dtype=dtype, device=device)
+        try:
+            local = torch.zeros((longest,) + rest, dtype=dtype, device=device)
+            gathered = torch.empty((longest * self.size,) + rest, dtype=dtype, device=device)
+        except (RuntimeError, MemoryError) as exc:
+            # The sizes are what the members' requests claimed; name the largest claim.
+            most = max(range(self.size), key=lambda r: dims[r])
+            raise HvdlikeInternalError(
+                f"allgather {response.name!r}: no room here for {self.size} x {longest:,} "
+                f"rows of shape {list(rest)} ({dtype}); rank {self.ranks[most]} asked to "
+                f"send the most, {dims[most]:,} rows ({exc})") from exc
         if entry is not None and entry.tensor.numel():
             local[: entry.tensor.shape[0]].copy_(entry.tensor)
-        gathered = torch.empty((longest * self.size,) + rest, dtype=dtype, device=device)
         chunks = [movable(c) for c in gathered.chunk(self.size)] if longest else []
         if longest:
             work = self._group(response).allgather([chunks], [movable(local)])

@@ -230,7 +230,8 @@ class Health:
                  blocked_since: Callable[[], Optional[float]] = lambda: None,
                  joins: Callable[[], List[tuple]] = lambda: [],
                  store_lost: Optional[Callable[[BaseException], None]] = None,
-                 exits=None):
+                 exits=None,
+                 coordinated: Callable[[], Dict[tuple, tuple]] = dict):
         self.store = store
         self._exits = exits  # see word_of
         self.rank = rank
@@ -251,6 +252,7 @@ class Health:
         self._store_lost = store_lost or on_abort
         self._failing_since: Optional[float] = None  # first of the current run of failed ticks
         self._members = members or (lambda set_id: list(range(size)))
+        self._coordinated = coordinated  # rank 0: see stall_report
         # One store request at a time on this connection, none waited for long.
         self._io = _StoreIO(max(STORE_ANSWER_SECONDS, 3 * self.interval))
         self._stop = threading.Event()
@@ -504,7 +506,13 @@ class Health:
         self._store_op(lambda: self.store.set("health/abort", message))
 
     def stall_report(self, records: Optional[Dict[int, dict]] = None):
-        """``(longest wait, text)`` naming stalled tensors and missing ranks, or None."""
+        """``(longest wait, text)`` naming stalled tensors and missing ranks, or None.
+
+        Two sources: every rank's record of what it submitted and waits on,
+        and what this rank's coordinators actually received. They differ only
+        when a rank's requests do not match its own record (a rank that lies,
+        or renames its collectives): a name the coordinator holds that no rank
+        reports waiting on is listed too, with the ranks that requested it."""
         names: Dict[tuple, List[int]] = {}  # (process set id, name) -> ranks waiting
         now = time.monotonic()
         records = self._records() if records is None else records
@@ -515,21 +523,36 @@ class Health:
                 # Ages are published once per name; convert to our own clock.
                 since = self._since.get(name, now)
                 self._since[name] = min(since, now - seconds)
+        unclaimed: Dict[tuple, List[int]] = {}  # held by a coordinator, waited on by no rank
+        half = self.cfg.stall_check_time_seconds / 2.0
+        for key, (seconds, missing) in self._coordinated().items():
+            if key in names or seconds < half:
+                continue
+            unclaimed[key] = missing
+            self._since[key] = min(self._since.get(key, now), now - seconds)
         for name in list(self._since):
-            if name not in names:
+            if name not in names and name not in unclaimed:
                 del self._since[name]
         longest = {name: now - since for name, since in self._since.items()}
-        stalled = sorted((n for n in names if len(names[n]) < len(self._members(n[0]))),
-                         key=lambda n: -longest[n])
+        stalled = sorted([n for n in names if len(names[n]) < len(self._members(n[0]))]
+                         + list(unclaimed), key=lambda n: -longest[n])
         if not stalled:
             return None
         lines = ["stall: some ranks submitted collectives that others have not:"]
         for key in stalled[:MAX_NAMES]:
             set_id, name = key
-            missing = [r for r in self._members(set_id) if r not in names[key]]
+            members = self._members(set_id)
+            if key in unclaimed:
+                missing = unclaimed[key]
+                senders = [r for r in members if r not in missing]
+                note = (f" (requested by rank(s) {', '.join(map(str, senders))}, "
+                        f"which report no wait on that name)")
+            else:
+                missing = [r for r in members if r not in names[key]]
+                note = ""
             where = ", ".join(f"{r} ({self.host(r)})" for r in missing)
             label = f"{name!r}" + (f" (process set {set_id})" if set_id else "")
-            lines.append(f"  {label}: waited {longest[key]:.0f}s; missing rank(s) {where}")
+            lines.append(f"  {label}: waited {longest[key]:.0f}s; missing rank(s) {where}{note}")
         if len(stalled) > MAX_NAMES:
             lines.append(f"  ... and {len(stalled) - MAX_NAMES} more")
         return longest[stalled[0]], "\n".join(lines)

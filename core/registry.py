@@ -210,6 +210,20 @@ class ProcessSetRegistry:
                 waiting[(set_id, name)] = since
         return waiting
 
+    def coordinated(self) -> Dict[tuple, tuple]:
+        """``{(process set id, name): (seconds waiting, global ranks missing)}`` of
+        the incomplete names held by the coordinators on this rank: what the
+        other ranks actually requested, whatever their own records say."""
+        held: Dict[tuple, tuple] = {}
+        for set_id, state in list(self.states.items()):
+            coordinator = getattr(state.controller, "coordinator", None)
+            if coordinator is None:
+                continue
+            for name, seconds, missing in coordinator.pending():
+                if missing:
+                    held[(set_id, name)] = (seconds, missing)
+        return held
+
     def joins(self) -> List[tuple]:
         """``(process set id, name)`` of every join pending here."""
         return [(set_id, name) for set_id, state in list(self.states.items())

@@ -345,7 +345,8 @@ class Runtime:
                                  self._set_fatal, self.sets.members,
                                  self.waits.blocked_since, self.sets.joins,
                                  store_lost=self._store_lost,
-                                 exits=self._launcher_exits(health_store))
+                                 exits=self._launcher_exits(health_store),
+                                 coordinated=self.sets.coordinated)
         self.sets.start()
         self.recording.start()
         if topology.rank == 0:

@@ -123,7 +123,7 @@ class ProcessSetState:
                                      parts.recording.recording, self.ranks)
         self.executor = Executor(self.groups, self.rank, self.size, parts.settings,
                                  parts.hooks, parts.recording, parts.host,
-                                 parts.cfg.adasum_hierarchical)
+                                 parts.cfg.adasum_hierarchical, self.ranks)
         self.controller.speculate = self.executor.offer
         self._closed = False
 

@@ -77,3 +77,71 @@ def test_a_request_in_another_ranks_name_is_refused_on_every_plane():
                                    expect_failure=True, env=env)
         assert ("rank 1 sent a malformed negotiation message: request 'allreduce.x' in the "
                 "name of rank 0 of the set (it is rank 1)") in outputs[0], outputs[0][-2000:]
+
+
+def _renamed_requests():
+    import torch
+
+    import hvdlike.torch as hvd
+    from hvdlike.core import controller
+
+    torch.set_num_threads(1)
+    hvd.init()
+    miss = controller.Controller._miss
+
+    def renaming_miss(self, entry):
+        miss(self, entry)
+        if hvd.rank() == 1 and entry.request.name.endswith(".x"):
+            sent = self._to_send[-1]
+            self._to_send[-1] = type(sent)(**{**sent.__dict__, "name": sent.name + "-renamed"})
+
+    controller.Controller._miss = renaming_miss
+    try:
+        hvd.allreduce(torch.ones(8), name="x")
+        return "no error"
+    except hvd.HorovodInternalError as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+def test_requests_renamed_behind_the_ranks_own_record_are_reported_as_a_stall():
+    # The liar's own record says it waits on 'allreduce.x' (so does rank 0's):
+    # only what the coordinator received shows the name nobody else submitted.
+    results = run_ranks(_renamed_requests, np=2, timeout=60,
+                        env={"HVDLIKE_STALL_CHECK_TIME_SECONDS": "1",
+                             "HVDLIKE_STALL_SHUTDOWN_TIME_SECONDS": "2"})
+    for said in results:
+        assert said.startswith("StallError") and "shutting down every rank" in said, said
+        assert "'allreduce.x-renamed': waited" in said, said
+        assert "missing rank(s) 0 (" in said
+        assert "requested by rank(s) 1, which report no wait on that name" in said
+
+
+def _allgather_of_a_trillion_rows():
+    import torch
+
+    import hvdlike.torch as hvd
+    from hvdlike.core import controller
+
+    torch.set_num_threads(1)
+    hvd.init()
+    miss = controller.Controller._miss
+
+    def claiming_miss(self, entry):
+        miss(self, entry)
+        if hvd.rank() == 1 and entry.request.name.endswith(".g"):
+            sent = self._to_send[-1]
+            self._to_send[-1] = type(sent)(**{**sent.__dict__, "shape": (10 ** 12, 4)})
+
+    controller.Controller._miss = claiming_miss
+    try:
+        hvd.allgather(torch.ones(2, 4), name="g")
+        return "no error"
+    except hvd.HorovodInternalError as exc:
+        return str(exc)
+
+
+def test_an_allgather_too_large_to_hold_names_the_rank_that_claimed_it():
+    for said in run_ranks(_allgather_of_a_trillion_rows, np=2, timeout=60):
+        assert "allgather 'allgather.g': no room here for 2 x 1,000,000,000,000 rows of " \
+               "shape [4] (torch.float32); rank 1 asked to send the most, " \
+               "1,000,000,000,000 rows" in said, said

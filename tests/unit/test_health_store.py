@@ -253,3 +253,24 @@ def test_removed_heartbeat_records_are_named_and_no_rank_reports_itself_silent(m
         assert not any("rank 0 on" in m or "rank 1 on" in m for m in warned), warned
     finally:
         w.health.close(clean=True)
+
+
+def test_a_stall_report_adds_only_names_no_rank_reports_waiting_on():
+    host = host_store(timeout=5)
+    held = {(0, "x"): (5.0, [1]), (0, "y"): (5.0, [0]), (0, "young"): (0.1, [0])}
+    cfg = config.load({}, stall_check_time_seconds=2)
+    h = health.Health(client(host, timeout=5), 0, 2, "host", cfg, lambda: {},
+                      lambda exc: None, coordinated=lambda: held)
+    try:
+        # Both ranks say they wait on 'x' (a rank holding a grouped member back
+        # says so too): the coordinator's missing request for it adds no line.
+        records = {0: {"waiting": [[0, "x", 5.0]]}, 1: {"waiting": [[0, "x", 5.0]]}}
+        longest, text = h.stall_report(records)
+        lines = text.splitlines()[1:]
+        assert len(lines) == 1 and lines[0].startswith("  'y': waited 5s; missing rank(s) 0 ("), text
+        assert lines[0].endswith("(requested by rank(s) 1, which report no wait on that name)")
+        assert longest >= 5.0
+        held.clear()
+        assert h.stall_report(records) is None  # the coordinator released it
+    finally:
+        h.close(clean=True)
