@@ -48,7 +48,10 @@ def test_an_impossible_message_length_in_shared_memory_is_named_not_spun_on():
         assert said in outputs[0]
 
 
-def _request_in_another_ranks_name():
+def _rank_1_lies(suffix, lie, collective):
+    """Rank 1 sends ``lie(request)`` instead of its request for a name ending
+    in ``suffix``; every rank then runs ``collective(hvd)`` and returns what it
+    raised (its type and text)."""
     import torch
 
     import hvdlike.torch as hvd
@@ -60,15 +63,25 @@ def _request_in_another_ranks_name():
 
     def lying_miss(self, entry):
         miss(self, entry)
-        if hvd.rank() == 1 and entry.request.name.endswith(".x"):
-            self._to_send[-1] = self._to_send[-1].with_rank(0)
+        if hvd.rank() == 1 and entry.request.name.endswith(suffix):
+            self._to_send[-1] = lie(self._to_send[-1])
 
     controller.Controller._miss = lying_miss
     try:
-        hvd.allreduce(torch.ones(8) * (hvd.rank() + 1), op=hvd.Sum, name="x")
+        collective(hvd)
         return "no error"
     except hvd.HorovodInternalError as exc:
-        return str(exc)
+        return f"{type(exc).__name__}: {exc}"
+
+
+def _replaced(**fields):
+    return lambda sent: type(sent)(**{**sent.__dict__, **fields})
+
+
+def _request_in_another_ranks_name():
+    import torch
+    return _rank_1_lies(".x", lambda sent: sent.with_rank(0), lambda hvd: hvd.allreduce(
+        torch.ones(8) * (hvd.rank() + 1), op=hvd.Sum, name="x"))
 
 
 def test_a_request_in_another_ranks_name_is_refused_on_every_plane():
@@ -81,26 +94,8 @@ def test_a_request_in_another_ranks_name_is_refused_on_every_plane():
 
 def _renamed_requests():
     import torch
-
-    import hvdlike.torch as hvd
-    from hvdlike.core import controller
-
-    torch.set_num_threads(1)
-    hvd.init()
-    miss = controller.Controller._miss
-
-    def renaming_miss(self, entry):
-        miss(self, entry)
-        if hvd.rank() == 1 and entry.request.name.endswith(".x"):
-            sent = self._to_send[-1]
-            self._to_send[-1] = type(sent)(**{**sent.__dict__, "name": sent.name + "-renamed"})
-
-    controller.Controller._miss = renaming_miss
-    try:
-        hvd.allreduce(torch.ones(8), name="x")
-        return "no error"
-    except hvd.HorovodInternalError as exc:
-        return f"{type(exc).__name__}: {exc}"
+    return _rank_1_lies(".x", _replaced(name="allreduce.x-renamed"),
+                        lambda hvd: hvd.allreduce(torch.ones(8), name="x"))
 
 
 def test_requests_renamed_behind_the_ranks_own_record_are_reported_as_a_stall():
@@ -118,26 +113,8 @@ def test_requests_renamed_behind_the_ranks_own_record_are_reported_as_a_stall():
 
 def _allgather_of_a_trillion_rows():
     import torch
-
-    import hvdlike.torch as hvd
-    from hvdlike.core import controller
-
-    torch.set_num_threads(1)
-    hvd.init()
-    miss = controller.Controller._miss
-
-    def claiming_miss(self, entry):
-        miss(self, entry)
-        if hvd.rank() == 1 and entry.request.name.endswith(".g"):
-            sent = self._to_send[-1]
-            self._to_send[-1] = type(sent)(**{**sent.__dict__, "shape": (10 ** 12, 4)})
-
-    controller.Controller._miss = claiming_miss
-    try:
-        hvd.allgather(torch.ones(2, 4), name="g")
-        return "no error"
-    except hvd.HorovodInternalError as exc:
-        return str(exc)
+    return _rank_1_lies(".g", _replaced(shape=(10 ** 12, 4)),
+                        lambda hvd: hvd.allgather(torch.ones(2, 4), name="g"))
 
 
 def test_an_allgather_too_large_to_hold_names_the_rank_that_claimed_it():
