@@ -71,6 +71,28 @@ def _check_link(parent_fd: int, parent_shown: str, link: os.stat_result, shown: 
                "with fs.protected_symlinks on)")
 
 
+def _check_planted(parent: os.stat_result, parent_shown: str, found: os.stat_result,
+                   shown: str) -> None:
+    """Refuse a regular file another user may have put at an output name: one
+    with more than one name (a hard link, made to another file while the
+    kernel's ``fs.protected_hardlinks`` rule is off) in a folder others can
+    write, and another user's file in a sticky world-writable folder (what the
+    ``fs.protected_regular`` rule refuses when it is on)."""
+    me = os.geteuid()
+    shared = parent.st_uid != me or parent.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    if found.st_nlink > 1 and shared:
+        raise UnsafeOutputPath(
+            shown, f"has {found.st_nlink} names (hard links) and is in {parent_shown}, a "
+                   f"folder other users can write: it may be another file under a second "
+                   f"name; refusing to write it")
+    if parent.st_mode & _STICKY_SHARED == _STICKY_SHARED \
+            and found.st_uid not in (me, parent.st_uid):
+        raise UnsafeOutputPath(
+            shown, f"is a file owned by {_who(found.st_uid)} in {parent_shown}, a sticky "
+                   f"world-writable folder owned by {_who(parent.st_uid)}: another user's "
+                   f"file there; refusing to write it")
+
+
 def _join(shown: str, name: str) -> str:
     return os.path.join(shown, name) if shown else name
 
@@ -184,10 +206,11 @@ def open_output_file(path: str, truncate: bool = True, create: bool = True,
         raise IsADirectoryError(errno.EISDIR, "is a directory", path)
     flags = ((os.O_RDWR if read else os.O_WRONLY) | os.O_NOFOLLOW | os.O_NONBLOCK
              | os.O_CLOEXEC | (os.O_CREAT if create else 0))
-    if not read:
-        flags |= os.O_TRUNC if truncate else os.O_APPEND
-    dir_fd, _ = _walk(folder, make_folders, max(own_names - 1, 0))
+    if not read and not truncate:
+        flags |= os.O_APPEND
+    dir_fd, folder_shown = _walk(folder, make_folders, max(own_names - 1, 0))
     try:
+        parent = os.fstat(dir_fd)
         fd = os.open(name, flags, 0o644, dir_fd=dir_fd)
     except UnsafeOutputPath:
         raise
@@ -201,8 +224,12 @@ def open_output_file(path: str, truncate: bool = True, create: bool = True,
     finally:
         os.close(dir_fd)
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        found = os.fstat(fd)
+        if not stat.S_ISREG(found.st_mode):
             raise OSError(errno.EINVAL, "is not a regular file", path)
+        _check_planted(parent, folder_shown or ".", found, path)
+        if truncate and not read:  # only once it is known to be ours to empty
+            os.ftruncate(fd, 0)
         os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)

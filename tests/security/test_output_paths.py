@@ -306,3 +306,56 @@ def test_links_the_kernel_would_follow_keep_working(place):
     assert (place.shared / "a" / "b" / "rank.0" / "stdout").is_file()
     place.untouched()
 
+
+
+# --- regular files planted at an output file's own name ----------------------------------
+
+
+def test_a_hard_link_planted_at_an_output_name_is_refused_and_its_file_kept(place):
+    """With ``fs.protected_hardlinks`` off another user can give a file of root's a
+    second name in a shared folder; opening that name must not empty the file."""
+    from hvdlike.launcher.errors import LaunchError
+    from hvdlike.launcher.job import check_output_files
+
+    out = place.shared / "out"
+    (out / "rank.0").mkdir(parents=True)
+    os.chown(out, place.uid, place.uid)
+    os.chown(out / "rank.0", place.uid, place.uid)
+    # made by root here, as the other user could where the kernel rule is off
+    os.link(place.rootonly / "rank.0" / "stdout", out / "rank.0" / "stdout")
+    os.link(place.rootonly / "timeline.json", place.shared / "t.json")
+    with pytest.raises(LaunchError) as caught:
+        check_output_files(str(out), 0)
+    assert "rank.0/stdout has 2 names (hard links) and is in " in str(caught.value)
+    assert "a folder other users can write" in str(caught.value)
+    for path in (out / "rank.0" / "stdout", place.shared / "t.json"):
+        for kwargs in ({}, {"truncate": False}):
+            with pytest.raises(UnsafeOutputPath, match="has 2 names"):
+                open_output_file(str(path), **kwargs)
+    place.untouched()
+
+
+def test_another_users_file_in_a_sticky_shared_folder_is_refused_the_users_own_reused(place):
+    theirs = place.shared / "t.json"
+    theirs.write_text("theirs\n")
+    os.chown(theirs, place.uid, place.uid)
+    with pytest.raises(UnsafeOutputPath) as caught:
+        open_output_file(str(theirs))
+    assert str(caught.value) == (
+        f"{theirs} is a file owned by user {place.user} (uid {place.uid}) in "
+        f"{place.shared}, a sticky world-writable folder owned by user root (uid 0): another "
+        f"user's file there; refusing to write it")
+    assert theirs.read_text() == "theirs\n"
+    mine = place.shared / "mine.json"
+    mine.write_text("old run\n")
+    os.close(open_output_file(str(mine)))  # the user's own file: emptied and reused
+    assert mine.read_text() == ""
+    # a hard link in the user's own private folder is the user's business
+    private = place.tmp / "private"
+    private.mkdir(mode=0o700)
+    (private / "a.json").write_text("x\n")
+    os.link(private / "a.json", private / "b.json")
+    fd = open_output_file(str(private / "b.json"), truncate=False)
+    os.write(fd, b"y\n")
+    os.close(fd)
+    assert (private / "a.json").read_text() == "x\ny\n"
