@@ -25,6 +25,12 @@ def wire_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def movable(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as Gloo can move it: a view (written through) in a same-width
+    stand-in dtype, complex as pairs of reals in a trailing dimension (Gloo's
+    allgather and alltoall refuse complex; dimension 0, which they split,
+    stays as it is)."""
+    if tensor.is_complex():
+        return torch.view_as_real(tensor.resolve_conj() if tensor.is_conj() else tensor)
     stand_in = _MOVE_AS.get(tensor.dtype)
     return tensor if stand_in is None else tensor.view(stand_in)
 
