@@ -24,7 +24,12 @@ REDUCIBLE = {
     torch.float16, torch.bfloat16, torch.float32, torch.float64,
     torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool,
 }
-MOVABLE = REDUCIBLE | {torch.complex64, torch.complex128}
+# Unsigned integers wider than a byte (torch 2.3 and up; JAX's PRNG keys are uint32):
+# moved under their own dtype name, so ranks that disagree on signedness are told
+# apart in negotiation; never reduced (see wire.movable for how they travel).
+WIDE_UNSIGNED = frozenset(d for d in (getattr(torch, f"uint{bits}", None) for bits in (16, 32, 64))
+                          if d is not None)
+MOVABLE = REDUCIBLE | {torch.complex64, torch.complex128} | WIDE_UNSIGNED
 _REDUCESCATTER_OPS = (ReduceOp.SUM, ReduceOp.AVERAGE)
 # Module globals: an enum attribute lookup costs ~50 ns, paid per tensor.
 _ALLREDUCE = OpType.ALLREDUCE
@@ -137,11 +142,18 @@ def check_root(root_rank: Any, size: int, what: str) -> int:
     return root_rank
 
 
-def _check_factors(prescale: float, postscale: float, what: str) -> None:
-    """Scale factors must be finite: a NaN would also never equal the other ranks'."""
+def _check_factors(prescale: float, postscale: float, what: str,
+                   dtype: Optional[torch.dtype] = None) -> None:
+    """Scale factors must be finite: a NaN would also never equal the other ranks'.
+    A bool reduction (any / all) has nothing to scale: a factor other than 1 is
+    refused rather than ignored."""
     for label, value in (("prescale_factor", prescale), ("postscale_factor", postscale)):
         if not math.isfinite(value):
             raise ValueError(f"{what}: {label} must be a finite number, got {value}")
+        if dtype == torch.bool and value != 1.0:
+            raise ValueError(f"{what}: {label} {value:g} cannot scale a bool tensor (its "
+                             f"reductions are 'any' and 'all'); convert it to a number "
+                             f"dtype first")
 
 
 def _request(op: OpType, tensor: torch.Tensor, name: str, **fields) -> Request:
@@ -186,7 +198,7 @@ def allreduce_entry(tensor, name: str, op=ReduceOp.AVERAGE, prescale_factor=1.0,
         request = known[0]
     else:
         check_tensor(tensor, "allreduce", REDUCIBLE)
-        _check_factors(prescale, postscale, "allreduce")
+        _check_factors(prescale, postscale, "allreduce", tensor.dtype)
         if reduce_op is _ADASUM and not tensor.is_floating_point():
             raise TypeError(f"allreduce: op Adasum needs a floating-point tensor, got "
                             f"{dtype_name(tensor.dtype)}")
@@ -284,7 +296,7 @@ def reducescatter_entry(tensor, name: str, op=ReduceOp.AVERAGE, prescale_factor=
         raise ValueError("reducescatter needs a tensor with at least one dimension")
     reduce_op = check_op(op, "reducescatter", _REDUCESCATTER_OPS)
     prescale, postscale = float(prescale_factor), float(postscale_factor)
-    _check_factors(prescale, postscale, "reducescatter")
+    _check_factors(prescale, postscale, "reducescatter", tensor.dtype)
     request = _request(OpType.REDUCESCATTER, tensor, name, reduce_op=reduce_op,
                        prescale=prescale, postscale=postscale,
                        group=group, group_size=group_size)

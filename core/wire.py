@@ -9,6 +9,9 @@ import torch
 
 # Same-width stand-ins for moving bytes of dtypes Gloo does not handle.
 _MOVE_AS = {torch.bool: torch.uint8, torch.int16: torch.float16}
+for _bits, _stand_in in ((16, torch.float16), (32, torch.int32), (64, torch.int64)):
+    if hasattr(torch, f"uint{_bits}"):  # torch 2.3 and up
+        _MOVE_AS[getattr(torch, f"uint{_bits}")] = _stand_in
 
 
 def torch_dtype(name: str) -> torch.dtype:

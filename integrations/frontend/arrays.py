@@ -28,13 +28,9 @@ from .submit import GroupHandle, name_for, run, set_size, submit, synchronize
 
 Average = ReduceOp.AVERAGE
 _REDUCING = ("allreduce", "grouped_allreduce", "reducescatter", "grouped_reducescatter")
-# Unsigned integers wider than a byte (JAX's PRNG keys and RNG states are uint32):
-# torch has these dtypes (2.3 and up) but the data planes do not, so collectives
-# that only move bytes carry them as the signed integers of the same width and
-# hand results back in the input's dtype. A reduction would compare or divide
-# the wrong numbers and is refused.
-_WIDE_UNSIGNED = {getattr(torch, f"uint{bits}"): getattr(torch, f"int{bits}")
-                  for bits in (16, 32, 64) if hasattr(torch, f"uint{bits}")}
+# Unsigned integers wider than a byte (JAX's PRNG keys and RNG states are uint32)
+# can be broadcast, gathered and exchanged, not reduced (core.WIDE_UNSIGNED).
+_WIDE_UNSIGNED = core.WIDE_UNSIGNED
 
 
 class Adapter:
@@ -89,8 +85,6 @@ class ArrayOps:
         reducing = what.rstrip("_") in _REDUCING
         allowed = core.REDUCIBLE if reducing else core.MOVABLE
         if tensor.dtype not in allowed:
-            if not reducing and tensor.dtype in _WIDE_UNSIGNED:
-                return tensor.view(_WIDE_UNSIGNED[tensor.dtype])  # see _convert
             names = ", ".join(sorted(core.dtype_name(d) for d in allowed))
             note = ""
             if tensor.dtype in _WIDE_UNSIGNED:
@@ -116,24 +110,11 @@ class ArrayOps:
             raise kind(message) from None
 
     def _convert(self, entry, like, inplace: bool = False):
-        unsigned = self._unsigned_of(like)
-        if unsigned is not None:  # moved as signed integers by _tensor: back to the input's
-            _chain(entry, lambda result: result.view(unsigned))
         if inplace:
             _chain(entry, lambda result: self.adapter.write_back(like, result))
         else:
             _chain(entry, lambda result: self.adapter.from_torch(result, like))
         return entry
-
-    @staticmethod
-    def _unsigned_of(like):
-        """The wide unsigned torch dtype ``like`` (an input array) has, else None."""
-        dtype = getattr(like, "dtype", None)
-        if dtype is None or not _WIDE_UNSIGNED:
-            return None
-        name = getattr(dtype, "name", None) or str(dtype).replace("torch.", "")
-        found = getattr(torch, name, None) if name in ("uint16", "uint32", "uint64") else None
-        return found if found in _WIDE_UNSIGNED else None
 
     def _submit(self, entries, process_set) -> List[Handle]:
         return submit(entries, process_set, self.frontend)
@@ -314,14 +295,7 @@ class ArrayOps:
             splits = _flat(splits)  # not int(): fractional splits are refused, not truncated
         entry = self._build("alltoall", lambda: core.alltoall_entry(
             t, splits, set_size(process_set), name_for(name, "alltoall", process_set)))
-        from_torch = self.adapter.from_torch
-        unsigned = self._unsigned_of(tensor)
-
-        def convert(result, like):
-            if unsigned is not None and like is tensor:
-                result = result.view(unsigned)
-            return from_torch(result, like)
-
+        convert = self.adapter.from_torch
         if splits is None:
             _chain(entry, lambda result: convert(result[0], tensor))
         else:

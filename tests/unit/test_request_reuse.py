@@ -224,3 +224,16 @@ def test_reused_group_requests_with_an_evicted_member_are_negotiated_whole():
     assert out[0] == out[1]
     # g.0 was evicted by y (capacity 4); the group still runs whole, every time.
     assert out[0][0] == out[0][3] == out[0][5] == out[0][6] == names
+
+
+@pytest.mark.parametrize("factors", [{"prescale_factor": 0.0}, {"postscale_factor": 2.0}])
+def test_scale_factors_on_a_bool_reduction_are_refused_not_ignored(factors):
+    flags = torch.tensor([True, False])
+    for build in (core.allreduce_entry, core.reducescatter_entry):
+        with pytest.raises(ValueError) as caught:
+            build(flags, name=f"flags.{build.__name__}", op=ReduceOp.SUM, **factors)
+        (label, value), = factors.items()
+        assert f"{label} {value:g} cannot scale a bool tensor" in str(caught.value)
+        build(flags, name=f"plain.{build.__name__}", op=ReduceOp.SUM)  # no factor: fine
+    # numbers still scale
+    core.allreduce_entry(torch.ones(2), name="numbers", op=ReduceOp.SUM, **factors)
