@@ -603,7 +603,8 @@ class _Distributed:
         """
         raise RuntimeError(
             "DistributedOptimizer stepped by GradScaler.step(optimizer) without "
-            "optimizer.synchronize() first: the scaler unscaled each rank's own gradients "
+            "optimizer.synchronize() first: the scaler unscaled (or, for an optimizer that "
+            "unscales in its fused step, checked for inf) each rank's own gradients "
             "before their reduction (reductions already under way would replace them with "
             "the scaled average, a step scale times too large; a rank whose gradients "
             "overflowed would skip step() while the others wait). Use: "
@@ -716,17 +717,29 @@ def _usable_cpus() -> int:
 
 def _unscaled_by_grad_scaler(optimizer) -> bool:
     """Whether ``optimizer.step()`` is being called by a ``GradScaler.step`` that
-    unscaled the gradients first (the scaler's per-optimizer stage says so)."""
+    looked at this rank's own gradients first: unscaled them (the scaler's
+    per-optimizer stage says so), or -- for an optimizer that unscales in its
+    own fused kernel (``_step_supports_amp_scaling``, ``Adam(fused=True)``),
+    which ``GradScaler.step`` calls directly -- checked them for inf, deciding
+    alone whether this rank skips the update."""
     frame = sys._getframe(2)
-    for _ in range(6):  # the scaler's _maybe_opt_step, our compile guard, step()
+    for _ in range(6):  # the scaler's _maybe_opt_step or step, our compile guard, step()
         if frame is None:
             return False
         if frame.f_code.co_name == "_maybe_opt_step":
             state = frame.f_locals.get("optimizer_state")
             stage = state.get("stage") if isinstance(state, dict) else None
             return getattr(stage, "name", None) == "UNSCALED"
+        if frame.f_code.co_name == "step" and "optimizer_state" in frame.f_code.co_varnames \
+                and _is_grad_scaler(frame.f_locals.get("self")):
+            return True
         frame = frame.f_back
     return False
+
+
+def _is_grad_scaler(obj) -> bool:
+    """A torch ``GradScaler`` (``torch.amp``'s, or the device-specific ones of older torch)."""
+    return any(cls.__name__ == "GradScaler" for cls in type(obj).__mro__)
 
 
 def _refuse_late_change(bucket: _buckets.Bucket) -> None:

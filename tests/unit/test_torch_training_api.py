@@ -631,3 +631,27 @@ def test_broadcast_optimizer_state_does_not_move_parameters(make):
     hvd.broadcast_optimizer_state(opt, root_rank=0)
     assert all(torch.equal(p, b) for p, b in zip(m.parameters(), before))
     assert len(opt.state_dict()["state"]) == len(before)  # the state exists now
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_plain_grad_scaler_step_of_a_fused_optimizer_is_refused(overlap, monkeypatch, recwarn):
+    # GradScaler.step calls an optimizer that unscales in its fused kernel
+    # directly, having checked this rank's own gradients for inf: ranks would
+    # decide alone whether to skip the update. The recipe still works.
+    monkeypatch.setattr(optimizer_module, "_overlaps_cpu", lambda: overlap)
+    m = _model()
+    opt = hvd.DistributedOptimizer(torch.optim.Adam(m.parameters(), lr=0.1, fused=True),
+                                   named_parameters=m.named_parameters())
+    assert getattr(opt, "_step_supports_amp_scaling", False)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler.scale(_loss(m)).backward()
+    before = [p.detach().clone() for p in m.parameters()]
+    with pytest.raises(RuntimeError, match="checked for inf\\) each rank's own gradients"):
+        scaler.step(opt)
+    assert all(torch.equal(p, b) for p, b in zip(m.parameters(), before))
+    opt.synchronize()
+    scaler.unscale_(opt)
+    with opt.skip_synchronize():
+        scaler.step(opt)
+    scaler.update()
+    assert not all(torch.equal(p, b) for p, b in zip(m.parameters(), before))
