@@ -1,7 +1,9 @@
 """Broadcast and gather arbitrary picklable Python objects (via cloudpickle).
 
 Framework-neutral: every front end (torch, numpy, jax, keras) exports these
-same two functions, and none of them needs another front end to do so.
+two functions, and none of them needs another front end to do so; a front end
+may export a ``broadcast_object`` made by :func:`broadcast_object_for`, whose
+argument errors name it.
 Names are derived from the call sequence only -- never from the object's value
 or type -- so every rank waits on the same names whatever it passes in.
 """
@@ -59,12 +61,25 @@ def _allgather(tensor: torch.Tensor, name: str, process_set) -> torch.Tensor:
     return synchronize(submit([entry], process_set, _FRONTEND)[0])
 
 
-def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):
-    """Return ``root_rank``'s ``obj`` on every rank (others may pass None).
+def broadcast_object_for(frontend: str):
+    """:func:`broadcast_object` as ``frontend`` exports it: its argument errors name
+    ``<frontend>.broadcast_object``, the function the caller used."""
+    what = f"{frontend}.broadcast_object"
 
-    Example:
-        >>> epoch = hvd.broadcast_object(epoch if hvd.rank() == 0 else None, root_rank=0)
-    """
+    def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):
+        """Return ``root_rank``'s ``obj`` on every rank (others may pass None).
+
+        Example:
+            >>> epoch = hvd.broadcast_object(epoch if hvd.rank() == 0 else None, root_rank=0)
+        """
+        root_rank = core.check_root(root_rank, api.size(), what)
+        return _broadcast_object(obj, root_rank, name, process_set)
+
+    broadcast_object.__qualname__ = "broadcast_object"
+    return eager(broadcast_object)
+
+
+def _broadcast_object(obj, root_rank, name, process_set):
     name = name or api.runtime().auto_name("broadcast_object", resolve(process_set))
     me = api.rank()  # root_rank is a global rank, as in Horovod
     payload, failure = None, None
@@ -120,4 +135,5 @@ def allgather_object(obj, name=None, process_set=global_process_set) -> list:
 
 # Called while torch.compile traces, these run as graph breaks (see
 # hvdlike.frontend.compile_guard).
-broadcast_object, allgather_object = eager(broadcast_object), eager(allgather_object)
+broadcast_object = broadcast_object_for(_FRONTEND)
+allgather_object = eager(allgather_object)

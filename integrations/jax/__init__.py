@@ -37,13 +37,15 @@ from hvdlike.core.process_sets import (
     ProcessSet, add_process_set, global_process_set, remove_process_set,
 )
 from hvdlike.frontend import barrier, join, poll, synchronize
-from hvdlike.frontend.objects import allgather_object, broadcast_object
+from hvdlike.frontend.objects import allgather_object, broadcast_object_for
 
 from . import elastic
 from .errors import jit, original_error, original_errors
 from .ops import allgather, allreduce, alltoall, broadcast, grid, grouped_allreduce, reducescatter
 from .optimizer import DistributedOptimizer, allreduce_gradients
 from .pytree import allreduce_pytree, broadcast_pytree, broadcast_variables
+
+broadcast_object = broadcast_object_for("hvdlike.jax")
 
 Average = ReduceOp.AVERAGE
 Sum = ReduceOp.SUM

@@ -102,7 +102,24 @@ def _spec(value, shape=None) -> jax.ShapeDtypeStruct:
 
 
 def _trace_name(name: Optional[str], op: str, process_set) -> str:
-    return name_for(name, op, process_set)
+    """The collective's final name, chosen while tracing, after the eager call's checks.
+
+    The checks the eager call makes when it submits -- that this rank is a
+    member of ``process_set``, that ``name`` is a string -- would otherwise
+    only run inside the compiled program (or, for the result shape, fail
+    unprefixed), so they are made here, with the eager call's message.
+    """
+    try:
+        set_size(process_set)
+        return name_for(name, op, process_set)
+    except (TypeError, ValueError) as exc:
+        message = str(exc)
+        if message.startswith(FRONTEND):
+            raise
+        if message.startswith(op + ":"):
+            message = message[len(op) + 1:].lstrip()
+        kind = TypeError if isinstance(exc, TypeError) else ValueError
+        raise kind(f"{FRONTEND}.{op}: {message}") from None
 
 
 def allreduce(tensor, name: Optional[str] = None, op=Average, prescale_factor=1.0,
@@ -125,17 +142,38 @@ def allreduce(tensor, name: Optional[str] = None, op=Average, prescale_factor=1.
 def grouped_allreduce(tensors, name: Optional[str] = None, op=Average, prescale_factor=1.0,
                       postscale_factor=1.0, process_set=global_process_set) -> list:
     """Allreduce a list of arrays as one fused unit; works inside ``jax.jit``."""
+    return grouped_allreduce_then(tensors, name, op, prescale_factor, postscale_factor,
+                                  process_set)
+
+
+def grouped_allreduce_then(tensors, name, op, prescale_factor, postscale_factor, process_set,
+                           before: Optional[Callable[[str], None]] = None) -> list:
+    """:func:`grouped_allreduce`, calling ``before(final_name)`` on the host first.
+
+    ``before`` runs where the collective runs -- eagerly, or in the host
+    callback of every execution of a jitted function -- so a check it makes
+    (the pytree front end's structure agreement) sees the same runtime as the
+    collective and can fail the step with an hvdlike error.
+    """
     tensors = grid._list(tensors, "grouped_allreduce")
     if not _any_traced(tensors):
+        if before is not None:
+            name = _trace_name(name, "grouped_allreduce", process_set)
+            before(name)
         return grid.grouped_allreduce(tensors, name, op, prescale_factor, postscale_factor,
                                      process_set)
     tensors = _as_jax(tensors)
     name = _trace_name(name, "grouped_allreduce", process_set)
     grid._allreduce_entries([_stand_in(t, "grouped_allreduce") for t in tensors], name, op,
                             prescale_factor, postscale_factor, False, True, process_set)
-    return _staged(lambda xs: grid.grouped_allreduce(xs, name, op, prescale_factor,
-                                                    postscale_factor, process_set),
-                   tensors, [_spec(t) for t in tensors])
+
+    def eager(xs):
+        if before is not None:
+            before(name)
+        return grid.grouped_allreduce(xs, name, op, prescale_factor, postscale_factor,
+                                      process_set)
+
+    return _staged(eager, tensors, [_spec(t) for t in tensors])
 
 
 def broadcast(tensor, root_rank: int, name: Optional[str] = None,

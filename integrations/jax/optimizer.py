@@ -29,7 +29,7 @@ from hvdlike.core.process_sets import global_process_set
 from hvdlike.frontend.submit import name_for
 
 from .convert import FRONTEND
-from .pytree import allreduce_pytree
+from .pytree import _reduce_tree
 
 _OPS = (ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT)
 
@@ -92,7 +92,8 @@ def allreduce_gradients(op=ReduceOp.AVERAGE, name: Optional[str] = None,
         del params
         if chosen[0] is None:
             chosen[0] = name_for(None, "allreduce_gradients", process_set)
-        reduced = allreduce_pytree(updates, chosen[0], op, prescale, postscale, process_set)
+        reduced = _reduce_tree(updates, chosen[0], op, prescale, postscale, process_set,
+                               "allreduce_gradients")
         return reduced, state
 
     return optax.GradientTransformation(init_fn, update_fn)

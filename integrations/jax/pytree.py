@@ -6,16 +6,26 @@ ints, strings, ...) travel as one pickled object. The tree structure itself
 is only compared: every rank must hold a tree of the same structure, as it
 does when every rank built the model with the same code; ranks whose trees
 differ all get a ``ValueError`` naming them, before any leaf travels.
+
+A reduction runs every training step, so its structure is compared once:
+the first reduction of a tree structure (per process set and per runtime,
+so a re-formed elastic job compares again) gathers every rank's structure,
+and later ones find it among the structures already agreed on. The
+comparison runs where the reduction runs, so inside ``jax.jit`` it happens
+in the host callback of the first execution, not while tracing.
 """
 
 from __future__ import annotations
 
+import threading
+import weakref
 from typing import Any, Optional
 
 import jax
 import numpy as np
 
-from hvdlike.core.process_sets import global_process_set
+from hvdlike.core import api
+from hvdlike.core.process_sets import global_process_set, resolve
 from hvdlike.frontend import synchronize
 from hvdlike.frontend.submit import name_for
 from hvdlike.frontend.objects import allgather_object, broadcast_object
@@ -84,13 +94,18 @@ def _describe(leaves, treedef) -> str:
     return f"{treedef} leaves: [{kinds}]"
 
 
-def _check_same_structure(leaves, treedef, name: str, process_set) -> None:
+def _check_same_structure(leaves, treedef, name: str, process_set,
+                          what: str = "broadcast_pytree") -> None:
     """Raise on every rank unless every rank holds a tree of the same structure.
 
     Without this check a rank whose tree has other keys or more leaves would
     silently keep some of its own values, or wait for broadcasts nobody sends.
     """
-    mine = _describe(leaves, treedef)
+    _compare(_describe(leaves, treedef), name, process_set, what)
+
+
+def _compare(mine: str, name: str, process_set, what: str) -> None:
+    """Raise the same ValueError on every rank unless every rank's ``mine`` is equal."""
     everyone = allgather_object(mine, name=name, process_set=process_set)
     if all(d == everyone[0] for d in everyone):
         return
@@ -100,7 +115,7 @@ def _check_same_structure(leaves, treedef, name: str, process_set) -> None:
     for rank, description in zip(members, everyone):
         groups.setdefault(description, []).append(rank)
     lines = "\n".join(f"  ranks {ranks}: {description}" for description, ranks in groups.items())
-    raise ValueError(f"{FRONTEND}.broadcast_pytree: ranks hold pytrees of different "
+    raise ValueError(f"{FRONTEND}.{what}: ranks hold pytrees of different "
                      f"structures; every rank must pass the same structure:\n{lines}")
 
 
@@ -110,6 +125,46 @@ def broadcast_variables(variables: Any, root_rank: int = 0, name: Optional[str] 
     return broadcast_pytree(variables, root_rank, name, process_set)
 
 
+# Per runtime (a re-formed elastic job starts with none): {(treedef, set id), ...}
+# of the reduced tree structures every rank of the set has been seen to share.
+_agreed: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_agreed_lock = threading.Lock()
+
+
+def _agree_once(treedef, what: str, process_set):
+    """A ``before`` hook for the reduction: compare ``treedef`` across ranks, once.
+
+    Pairing leaves by position alone would silently reduce rank 0's ``a``
+    with rank 1's ``x``. Comparing costs a collective, so a structure every
+    rank has already agreed on is not compared again; a reduction whose
+    ranks disagree raises the same ValueError on every rank and is not
+    remembered.
+    """
+    def before(name: str) -> None:
+        runtime = api.runtime()
+        key = (treedef, resolve(process_set))
+        with _agreed_lock:
+            seen = _agreed.setdefault(runtime, set())
+            if key in seen:
+                return
+        _compare(str(treedef), f"{name}.structure", process_set, what)
+        with _agreed_lock:
+            seen.add(key)
+    return before
+
+
+def _check_reducible(tree, leaves, what: str) -> None:
+    """Refuse leaves no reduction can take (strings, None-like objects), naming their path."""
+    for i, leaf in enumerate(leaves):
+        if not (_is_array(leaf) or is_traced(leaf)
+                or isinstance(leaf, (bool, int, float, complex))):
+            paths = jax.tree_util.tree_flatten_with_path(tree)[0]
+            where = jax.tree_util.keystr(paths[i][0]) if i < len(paths) else f"#{i}"
+            raise TypeError(f"{FRONTEND}.{what}: leaf {where} is a "
+                            f"{type(leaf).__module__}.{type(leaf).__qualname__}; only array "
+                            f"and number leaves can be reduced")
+
+
 def allreduce_pytree(tree: Any, name: Optional[str] = None, op=ops.Average,
                      prescale_factor=1.0, postscale_factor=1.0,
                      process_set=global_process_set) -> Any:
@@ -117,14 +172,26 @@ def allreduce_pytree(tree: Any, name: Optional[str] = None, op=ops.Average,
 
     Works eagerly and inside ``jax.jit`` (see :mod:`hvdlike.jax.ops`). float0
     leaves (gradients w.r.t. integer inputs) hold no values and come back as
-    they are.
+    they are. Every rank must pass a tree of the same structure; the first
+    reduction of a structure checks that (see the module's docstring).
+
+    Raises:
+        ValueError: ranks pass trees of different structures (on every rank).
+        TypeError: a leaf is neither an array nor a number.
     """
+    return _reduce_tree(tree, name, op, prescale_factor, postscale_factor, process_set,
+                        "allreduce_pytree")
+
+
+def _reduce_tree(tree, name, op, prescale_factor, postscale_factor, process_set, what: str):
     leaves, treedef = jax.tree.flatten(tree)
+    _check_reducible(tree, leaves, what)
     carried = [i for i, leaf in enumerate(leaves) if not _no_data(leaf)]
     if not carried:
         return tree
-    reduced = ops.grouped_allreduce([leaves[i] for i in carried], name, op, prescale_factor,
-                                    postscale_factor, process_set)
+    reduced = ops.grouped_allreduce_then([leaves[i] for i in carried], name, op,
+                                         prescale_factor, postscale_factor, process_set,
+                                         before=_agree_once(treedef, what, process_set))
     out = list(leaves)
     for i, value in zip(carried, reduced):
         out[i] = value

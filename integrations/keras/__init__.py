@@ -31,7 +31,7 @@ from hvdlike.core.process_sets import (
     ProcessSet, add_process_set, global_process_set, remove_process_set,
 )
 from hvdlike.frontend import barrier, join
-from hvdlike.frontend.objects import allgather_object, broadcast_object
+from hvdlike.frontend.objects import allgather_object, broadcast_object_for
 
 from .backend import (
     Compression, allgather, allreduce, broadcast, broadcast_variables, grouped_allreduce,
@@ -43,8 +43,11 @@ from .callbacks import (
     BestModelCheckpoint, BroadcastGlobalVariablesCallback, LearningRateScheduleCallback,
     LearningRateWarmupCallback, MetricAverageCallback,
 )
-from .optimizer import DistributedOptimizer
+from .errors import original_error, original_errors
+from .optimizer import DistributedOptimizer, PartialDistributedOptimizer
 from .saving import broadcast_global_variables, load_model
+
+broadcast_object = broadcast_object_for("hvdlike.keras")
 
 Average = ReduceOp.AVERAGE
 Sum = ReduceOp.SUM
@@ -57,13 +60,15 @@ __all__ = [
     "Adasum", "Average", "BestModelCheckpoint", "BroadcastGlobalVariablesCallback",
     "Compression", "DistributedOptimizer", "HorovodInternalError", "HvdlikeInternalError",
     "LearningRateScheduleCallback", "LearningRateWarmupCallback", "Max",
-    "MetricAverageCallback", "Min", "MismatchError", "ProcessSet", "Product", "Sum",
+    "MetricAverageCallback", "Min", "MismatchError", "PartialDistributedOptimizer",
+    "ProcessSet", "Product", "Sum",
     "add_process_set", "allgather", "allgather_object", "allreduce", "barrier", "broadcast",
     "broadcast_global_variables", "broadcast_object", "broadcast_variables", "callbacks",
     "ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built", "elastic",
     "gloo_built", "gloo_enabled", "global_process_set", "grouped_allreduce", "init",
     "is_homogeneous", "is_initialized", "join", "load_model", "local_rank", "local_size",
-    "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "rank",
+    "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "original_error",
+    "original_errors", "rank",
     "reducescatter", "remove_process_set", "rocm_built", "shutdown", "size", "start_timeline",
     "stop_timeline",
 ]

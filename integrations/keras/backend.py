@@ -15,6 +15,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from hvdlike.core.errors import UnsupportedOpError
 from hvdlike.core.messages import ReduceOp
 from hvdlike.core.process_sets import global_process_set
 from hvdlike.frontend.caller import deprecated_average
@@ -116,6 +117,11 @@ def check_compression(compression, what: str) -> None:
 # -- argument handling ------------------------------------------------------------------
 
 
+# Argument errors, renamed by prefixed(); errors of a running collective
+# (MismatchError is a ValueError too) keep their message.
+_ARGUMENT_ERRORS = (TypeError, ValueError, UnsupportedOpError)
+
+
 @contextlib.contextmanager
 def prefixed(what: str):
     """Name ``hvdlike.keras.<what>`` in plain TypeError/ValueError messages.
@@ -126,9 +132,12 @@ def prefixed(what: str):
     try:
         yield
     except (TypeError, ValueError) as exc:
-        if type(exc) in (TypeError, ValueError) and not str(exc).startswith(FRONTEND):
-            raise type(exc)(f"{FRONTEND}.{what}: {exc}") from exc
-        raise
+        message = str(exc)
+        if type(exc) not in _ARGUMENT_ERRORS or message.startswith(FRONTEND):
+            raise
+        if message.startswith(f"{what}:"):  # the core's own prefix: name the op once
+            message = message[len(what) + 1:].lstrip()
+        raise type(exc)(f"{FRONTEND}.{what}: {message}") from exc
 
 
 def _tensor_compatible(value, what: str):
@@ -192,20 +201,49 @@ def allreduce(value, name: Optional[str] = None, average=None, prescale_factor=1
 def grouped_allreduce(values: Sequence, name: Optional[str] = None, op=None,
                       prescale_factor=1.0, postscale_factor=1.0,
                       process_set=global_process_set, compression=Compression.none) -> list:
-    """Reduce a list of backend tensors as one fused unit (works inside the jitted step)."""
+    """Reduce a list of backend tensors as one fused unit (works inside the jitted step).
+
+    Each value is taken as :func:`allreduce` takes it and comes back in the
+    type it would alone. A list mixing numpy values with backend tensors (a
+    Python number becomes a backend tensor) is reduced as two groups, the
+    numpy values first, each by its own front end; every rank must then pass
+    the same kinds in the same positions, as it must pass the same dtypes.
+    """
     if not isinstance(values, (list, tuple)):
         raise TypeError(f"{FRONTEND}.grouped_allreduce expects a list of tensors, got "
                         f"{type(values).__name__}")
     check_compression(compression, "grouped_allreduce")
     pairs = [compression.compress(_tensor_compatible(v, "grouped_allreduce")) for v in values]
-    front = frontend_for(pairs[0][0] if pairs else None)
-    with prefixed("grouped_allreduce"):
-        out = front.grouped_allreduce([p[0] for p in pairs], name=name,
-                                      op=ReduceOp.AVERAGE if op is None else op,
-                                      prescale_factor=prescale_factor,
-                                      postscale_factor=postscale_factor,
-                                      process_set=process_set)
+    op = ReduceOp.AVERAGE if op is None else op
+    groups = _by_front_end([p[0] for p in pairs])
+    out = [None] * len(pairs)
+    for numpy_group, indices in groups:
+        group_name = name
+        if name and numpy_group and len(groups) > 1:
+            group_name = f"{name}.numpy"  # the other group keeps the name itself
+        front = frontend_for(pairs[indices[0]][0] if indices else None)
+        with prefixed("grouped_allreduce"):
+            reduced = front.grouped_allreduce([pairs[i][0] for i in indices], name=group_name,
+                                              op=op, prescale_factor=prescale_factor,
+                                              postscale_factor=postscale_factor,
+                                              process_set=process_set)
+        for i, value in zip(indices, reduced):
+            out[i] = value
     return [compression.decompress(v, ctx) for v, (_, ctx) in zip(out, pairs)]
+
+
+def _by_front_end(values) -> list:
+    """``[(is_numpy, indices), ...]``: the positions each front end reduces, numpy first.
+
+    One entry when every value goes to the same front end (an empty list
+    goes to the backend's, which reports it as it reports any empty group).
+    """
+    numpy_ids = [i for i, v in enumerate(values) if isinstance(v, (np.ndarray, np.generic))]
+    others = [i for i in range(len(values)) if i not in set(numpy_ids)]
+    groups = [(True, numpy_ids)] if numpy_ids else []
+    if others or not numpy_ids:
+        groups.append((False, others))
+    return groups
 
 
 def allgather(value, name: Optional[str] = None, process_set=global_process_set):

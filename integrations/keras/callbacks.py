@@ -16,7 +16,9 @@ Every callback takes Horovod's positional arguments (``device`` is accepted
 and ignored: hvdlike communicates from host memory) and ``process_set`` as a
 keyword only.
 
-On the JAX backend ``model.fit`` keeps the training state outside the Keras
+On the JAX backend every callback here also makes ``model.fit`` raise
+hvdlike's exceptions rather than ``JaxRuntimeError`` when a collective in the
+jitted train step fails. ``model.fit`` keeps the training state outside the Keras
 variables while an epoch runs; callbacks that write variables mid-epoch first
 sync that state back (``model.jax_state_sync()``), which also makes the
 trainer reload it before the next step.
@@ -34,11 +36,32 @@ from hvdlike.core import api
 from hvdlike.core.process_sets import global_process_set
 
 from .backend import backend_name, broadcast_variables
+from .errors import original_errors
 
 
 def _sync_jax_state(model) -> None:
     if backend_name() == "jax" and hasattr(model, "jax_state_sync"):
         model.jax_state_sync()
+
+
+def _raise_hvdlike_errors(model) -> None:
+    """Make ``model.fit``'s jitted train step raise hvdlike's exceptions (JAX backend).
+
+    The gradient allreduce runs inside the step, so a failing collective would
+    reach the caller of ``fit`` as a ``JaxRuntimeError``. Keras builds the
+    step before ``on_train_begin``; wrapping it in ``original_errors`` there
+    hands back the hvdlike exception (``MismatchError``,
+    ``HorovodInternalError``...) instead. A step Keras rebuilds later is
+    wrapped again at the next ``fit``.
+    """
+    if backend_name() != "jax":
+        return
+    step = getattr(model, "train_function", None)
+    if step is None or getattr(step, "_hvd_original_errors", False):
+        return
+    wrapped = original_errors()(step)
+    wrapped._hvd_original_errors = True
+    model.train_function = wrapped
 
 
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
@@ -69,7 +92,14 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         self.process_set = process_set
         self.broadcast_done = False
 
+    def register_local_var(self, var) -> None:
+        """Keep ``var`` out of the broadcast: each rank keeps its own value (Horovod's method)."""
+        for v in _variable_list(var):
+            if not any(v is known for known in self.local_variables):
+                self.local_variables.append(v)
+
     def on_train_begin(self, logs=None):
+        _raise_hvdlike_errors(self.model)
         if self.broadcast_done:
             return
         model = self.model
@@ -102,6 +132,9 @@ class MetricAverageCallback(keras.callbacks.Callback):
         super().__init__()
         self.device = device
         self.process_set = process_set
+
+    def on_train_begin(self, logs=None):
+        _raise_hvdlike_errors(self.model)
 
     def on_epoch_end(self, epoch, logs=None):
         if not logs:
@@ -163,6 +196,9 @@ class _RateCallback(keras.callbacks.Callback):
 
     momentum_correction = True
     _restore_momentum = None
+
+    def on_train_begin(self, logs=None):
+        _raise_hvdlike_errors(self.model)
 
     def _set_learning_rate(self, new_lr: float, only_on_change: bool = False) -> None:
         optimizer = self.model.optimizer
@@ -300,6 +336,7 @@ class LearningRateScheduleCallback(_RateCallback):
         self._restore_momentum = None
 
     def on_train_begin(self, logs=None):
+        super().on_train_begin(logs)
         if not self.staircase and not self.steps_per_epoch:
             self.steps_per_epoch = (self.params or {}).get("steps")
             if not self.steps_per_epoch:

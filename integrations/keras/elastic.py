@@ -112,5 +112,100 @@ class KerasState(ObjectState):
         super().sync()
 
 
-__all__ = ["HorovodInternalError", "HostsUpdatedInterrupt", "KerasState", "ObjectState",
-           "State", "run"]
+def _keras_callback_base():
+    import keras
+
+    return keras.callbacks.Callback
+
+
+class CommitStateCallback(_keras_callback_base()):
+    """Commit ``state`` every ``batches_per_commit`` batches and at every epoch's end.
+
+    For ``model.fit`` inside an ``hvd.elastic.run`` function: a failure rolls
+    back at most ``batches_per_commit`` batches. The count starts again at
+    every ``fit`` (after a reset every rank counts from the same point). On
+    the JAX backend ``fit`` keeps the weights outside the Keras variables
+    during an epoch; they are synced back first so the commit saves them.
+
+    Args:
+        state: the :class:`KerasState` to commit.
+        batches_per_commit: batches between commits (an int >= 1).
+    """
+
+    def __init__(self, state, batches_per_commit: int = 1):
+        super().__init__()
+        if (isinstance(batches_per_commit, bool) or not isinstance(batches_per_commit, int)
+                or batches_per_commit < 1):
+            raise ValueError(f"CommitStateCallback: batches_per_commit must be an int >= 1, "
+                             f"got {batches_per_commit!r}")
+        self.state = state
+        self.batches_per_commit = batches_per_commit
+        self.batches_remaining = batches_per_commit
+
+    def on_train_begin(self, logs=None):
+        from .callbacks import _raise_hvdlike_errors
+
+        _raise_hvdlike_errors(self.model)
+        self.batches_remaining = self.batches_per_commit
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.batches_remaining -= 1
+        if self.batches_remaining == 0:
+            self.commit()
+            self.batches_remaining = self.batches_per_commit
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.commit()
+
+    def commit(self) -> None:
+        from .callbacks import _sync_jax_state
+
+        model = getattr(self.state, "model", None)
+        if model is not None:
+            _sync_jax_state(model)
+        self.state.commit()
+
+
+class UpdateBatchStateCallback(_keras_callback_base()):
+    """Keep ``state.batch`` at the index of the last finished batch; 0 after each epoch.
+
+    Unlike Horovod's, it cannot shorten the epoch resumed after a reset:
+    Keras 3 does not read the step count back from the callbacks' ``params``,
+    so that epoch runs all its batches.
+    """
+
+    def __init__(self, state):
+        super().__init__()
+        self.state = state
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.state.batch = batch
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.state.batch = 0
+
+
+class UpdateEpochStateCallback(_keras_callback_base()):
+    """Count finished epochs in ``state.epoch``, across resets.
+
+    Keras numbers a ``fit`` call's epochs from ``initial_epoch`` (0 unless
+    given), so ``state.epoch`` becomes the value it had when ``fit`` began
+    plus the epochs finished since: call ``fit(epochs=epochs - state.epoch)``
+    after a reset, as with Horovod, not ``initial_epoch=state.epoch``.
+    """
+
+    def __init__(self, state):
+        super().__init__()
+        self.state = state
+        self.initial_epoch = state.epoch
+
+    def on_train_begin(self, logs=None):
+        self.initial_epoch = self.state.epoch
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.state.epoch = self.initial_epoch + epoch + 1
+
+
+__all__ = ["CommitStateCallback", "HorovodInternalError", "HostsUpdatedInterrupt",
+           "KerasState", "ObjectState", "State", "UpdateBatchStateCallback",
+           "UpdateEpochStateCallback", "run"]

@@ -30,7 +30,7 @@ from typing import Optional
 
 from hvdlike.core.messages import ReduceOp
 from hvdlike.core.process_sets import global_process_set
-from hvdlike.frontend.submit import name_for
+from hvdlike.frontend.submit import name_for, set_size
 
 from .backend import FRONTEND, Compression, allreduce, check_compression, grouped_allreduce
 
@@ -39,6 +39,22 @@ class _HvdlikeOptimizer:
     """Marks optimizers returned by :func:`DistributedOptimizer`."""
 
     _hvd_settings = None
+
+    def register_local_var(self, var) -> None:
+        """Keep ``var``'s gradient on this rank: it is not reduced (Horovod's method).
+
+        With ``scale_local_gradients`` (default) the local gradient is divided
+        by the process set's size, as Horovod does.
+        """
+        import keras
+
+        if not isinstance(var, keras.Variable):
+            raise TypeError(f"{FRONTEND}.DistributedOptimizer.register_local_var expects a "
+                            f"keras.Variable, got {type(var).__module__}."
+                            f"{type(var).__qualname__}")
+        local = self._hvd_settings["local"]
+        if not any(var is v for v in local):
+            local.append(var)
 
     @property
     def loss_scale_factor(self):
@@ -55,6 +71,40 @@ class _HvdlikeOptimizer:
             if caller is not None and not isinstance(caller, _HvdlikeOptimizer):
                 raise ValueError(_FOREIGN_LOSS_SCALE)
         object.__setattr__(self, "_hvd_loss_scale_factor", value)
+
+
+def _local_ids(settings) -> set:
+    """ids of the variables whose gradients stay on their rank.
+
+    Layers given to :func:`PartialDistributedOptimizer` are looked at on every
+    update rather than once, so a layer built after the optimizer was made
+    (Keras builds layers lazily) still counts with all its weights.
+    """
+    ids = {id(v) for v in settings.get("local", ())}
+    for layer in settings.get("local_layers", ()):
+        ids.update(id(v) for v in layer.trainable_weights)
+    return ids
+
+
+def _reduce_shared(settings, grads, variables, kind: str):
+    """Reduce the gradients of shared variables; scale those of local ones.
+
+    Local variables (``register_local_var``, ``PartialDistributedOptimizer``)
+    keep their rank's own gradient. With ``scale_local_gradients`` (the
+    default) that gradient is divided by the process set's size whatever the
+    op, as Horovod divides it, so scripts tuned there train the same here.
+    """
+    local = _local_ids(settings) if variables is not None else set()
+    if not local:
+        return _reduce(settings, grads, kind)
+    grads = list(grads)
+    is_local = [id(v) in local for v in variables]
+    shared = _reduce(settings, [None if here else g for g, here in zip(grads, is_local)], kind)
+    size = set_size(settings["process_set"]) if settings.get("scale_local", True) else 1
+    for i, here in enumerate(is_local):
+        if here and grads[i] is not None:
+            shared[i] = grads[i] / size if size != 1 else grads[i]
+    return shared
 
 
 def _reduce(settings, grads, kind: str):
@@ -89,11 +139,63 @@ _FOREIGN_LOSS_SCALE = (
 class _DistributedMixin(_HvdlikeOptimizer):
     """Put in front of an optimizer class; see :func:`DistributedOptimizer`."""
 
+    def _backend_apply_gradients(self, grads, trainable_variables):
+        # _clip_gradients gets the gradients only; which of them belong to
+        # local variables is known from the variables handed in here, in the
+        # same order (after Keras has filtered both lists).
+        self.__dict__["_hvd_variables"] = list(trainable_variables)
+        try:
+            return super()._backend_apply_gradients(grads, trainable_variables)
+        finally:
+            self.__dict__["_hvd_variables"] = None
+
     def _clip_gradients(self, grads):
         self.__dict__["_hvd_hook_ran"] = True
         return super()._clip_gradients(self._hvd_reduce_on_update(grads))
 
+    def _overwrite_variables_directly_with_gradients(self, grads, trainable_variables):
+        """Agree on the values Keras writes straight into variables, then let Keras write them.
+
+        Float8 layers keep their scales and amax histories in variables with
+        ``overwrite_with_gradient``: the "gradient" Keras computes is the new
+        value (the history shifted by one with this batch's absolute maximum
+        in front, and a scale derived from the previous history), and Keras
+        assigns it before ``_clip_gradients`` runs. Ranks that started equal
+        differ only in the newest amax, which would make their scales drift
+        apart. The Max over ranks is, for inputs and kernel, the amax of the
+        global batch -- what one process training on the whole batch would
+        record -- and for the output gradients, which each rank quantizes on
+        its own, the largest any rank has to represent; a scale is a rising
+        function of the amax it was computed from. Keras combines accumulated
+        micro-batches with a maximum too.
+        """
+        grads = list(grads)
+        trainable_variables = list(trainable_variables)
+        local = _local_ids(self._hvd_settings)
+        chosen = [i for i, v in enumerate(trainable_variables)
+                  if self._overwrite_variable_with_gradient(v) and id(v) not in local
+                  and grads[i] is not None]
+        if chosen:
+            settings = self._hvd_settings
+            if settings.get("overwrite_name") is None:
+                settings["overwrite_name"] = name_for(None, "keras_overwrite",
+                                                      settings["process_set"])
+            reduced = grouped_allreduce([grads[i] for i in chosen],
+                                        name=settings["overwrite_name"], op=ReduceOp.MAX,
+                                        process_set=settings["process_set"])
+            for i, value in zip(chosen, reduced):
+                grads[i] = value
+        grads, trainable_variables = super()._overwrite_variables_directly_with_gradients(
+            grads, trainable_variables)
+        if not list(grads):
+            # Nothing is left for _clip_gradients: no gradient goes unreduced.
+            self.__dict__["_hvd_hook_ran"] = True
+        return grads, trainable_variables
+
     def apply(self, grads, trainable_variables=None):
+        if len(grads) == 0:
+            # Keras's documented no-op for empty gradients: nothing to reduce.
+            return super().apply(grads, trainable_variables)
         # The reduction rides on Keras's gradient-clipping hook. A Keras whose
         # apply() never reached that hook would train every rank on its own
         # gradients without a word: refuse instead.
@@ -117,12 +219,15 @@ class _DistributedMixin(_HvdlikeOptimizer):
         import keras
 
         settings = self._hvd_settings
+        variables = self.__dict__.get("_hvd_variables")
         steps = self.gradient_accumulation_steps
         if not steps:
-            return _reduce(settings, grads, "keras_optimizer")
+            return _reduce_shared(settings, grads, variables, "keras_optimizer")
         is_update = keras.ops.equal((self._iterations + 1) % steps, 0)
-        return keras.ops.cond(is_update, lambda: _reduce(settings, grads, "keras_optimizer"),
-                              lambda: list(grads))
+        return keras.ops.cond(
+            is_update, lambda: _reduce_shared(settings, grads, variables, "keras_optimizer"),
+            lambda: list(grads))
+
 
 def keras_version() -> str:
     import keras
@@ -206,7 +311,7 @@ def _check_groups(num_groups, groups):
 
 
 def _settings(name, compression, gradient_predivide_factor, op, passes, average_aggregated,
-              process_set) -> dict:
+              process_set, scale_local_gradients=True) -> dict:
     op = _check_op(op)
     _check_factor(gradient_predivide_factor)
     check_compression(compression, "DistributedOptimizer")
@@ -220,7 +325,9 @@ def _settings(name, compression, gradient_predivide_factor, op, passes, average_
         # Keras's accumulation averages the micro-batches; Horovod's sums them by default.
         postscale *= passes
     return {"name": name, "op": op, "prescale": prescale, "postscale": postscale,
-            "process_set": process_set, "compression": compression}
+            "process_set": process_set, "compression": compression, "local": [],
+            "local_layers": [], "scale_local": bool(scale_local_gradients),
+            "overwrite_name": None}
 
 
 def _subclass(mixin, base):
@@ -262,7 +369,9 @@ def _loss_scaled(inner, outer, settings: dict):
     config = dict(outer.get_config()) if outer is not None else {"name": "loss_scale_optimizer"}
     config.pop("inner_optimizer", None)
     wrapped = _subclass(_AgreedLossScaleMixin, base)(inner, **config)
-    wrapped._hvd_settings = {"name": None, "process_set": settings["process_set"]}
+    # The same list: register_local_var on the outer optimizer reaches the inner one.
+    wrapped._hvd_settings = {"name": None, "process_set": settings["process_set"],
+                             "local": settings["local"]}
     return wrapped
 
 
@@ -306,7 +415,10 @@ def DistributedOptimizer(optimizer, name: Optional[str] = None, device_dense: st
         num_groups, groups: accepted and checked; all gradients already travel
             as one fused group.
         process_set: ranks to average over.
-        scale_local_gradients: accepted; hvdlike has no rank-local variables.
+        scale_local_gradients: divide the gradients of local variables (see
+            ``register_local_var`` on the returned optimizer) by the process
+            set's size, as Horovod does; without local variables it changes
+            nothing.
 
     Raises:
         TypeError: ``optimizer`` is not a Keras optimizer.
@@ -329,7 +441,7 @@ def DistributedOptimizer(optimizer, name: Optional[str] = None, device_dense: st
     passes = _check_passes(backward_passes_per_step)
     _check_groups(num_groups, groups)
     settings = _settings(name, compression, gradient_predivide_factor, op, passes,
-                         average_aggregated_gradients, process_set)
+                         average_aggregated_gradients, process_set, scale_local_gradients)
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         inner = _distributed_copy(optimizer.inner_optimizer, settings, passes)
         return _loss_scaled(inner, optimizer, settings)
@@ -337,3 +449,62 @@ def DistributedOptimizer(optimizer, name: Optional[str] = None, device_dense: st
     if _mixed_float16():
         return _loss_scaled(wrapped, None, settings)
     return wrapped
+
+
+def _layer_list(local_layers) -> list:
+    import keras
+
+    if local_layers is None:
+        return []
+    layers = [local_layers] if isinstance(local_layers, keras.layers.Layer) else local_layers
+    try:
+        layers = list(layers)
+    except TypeError:
+        layers = [layers]
+    for layer in layers:
+        if not isinstance(layer, keras.layers.Layer):
+            raise TypeError(f"{FRONTEND}.PartialDistributedOptimizer: local_layers must be "
+                            f"keras layers, got {type(layer).__module__}."
+                            f"{type(layer).__qualname__}")
+    return layers
+
+
+def PartialDistributedOptimizer(optimizer, name: Optional[str] = None, device_dense: str = "",
+                                device_sparse: str = "", compression=Compression.none,
+                                sparse_as_dense: bool = False,
+                                gradient_predivide_factor: float = 1.0, op=ReduceOp.AVERAGE,
+                                backward_passes_per_step: int = 1,
+                                average_aggregated_gradients: bool = False, groups=None,
+                                process_set=global_process_set,
+                                scale_local_gradients: bool = True, local_layers=None):
+    """:func:`DistributedOptimizer` whose ``local_layers`` keep their own gradients.
+
+    The trainable weights of every layer in ``local_layers`` (a layer or a
+    list of layers) are local to each rank: their gradients are not reduced
+    and, with ``scale_local_gradients``, are divided by the process set's
+    size, as in Horovod. The layers' weights are looked up at each update, so
+    layers that are not built yet may be passed. The other arguments are
+    :func:`DistributedOptimizer`'s.
+
+    Raises:
+        TypeError: ``local_layers`` holds something that is not a Keras layer.
+    """
+    layers = _layer_list(local_layers)
+    wrapped = DistributedOptimizer(
+        optimizer, name=name, device_dense=device_dense, device_sparse=device_sparse,
+        compression=compression, sparse_as_dense=sparse_as_dense,
+        gradient_predivide_factor=gradient_predivide_factor, op=op,
+        backward_passes_per_step=backward_passes_per_step,
+        average_aggregated_gradients=average_aggregated_gradients, groups=groups,
+        process_set=process_set, scale_local_gradients=scale_local_gradients)
+    _distributed_settings(wrapped)["local_layers"].extend(layers)
+    return wrapped
+
+
+def _distributed_settings(optimizer) -> dict:
+    """The settings of the optimizer that reduces (inside any loss scaling)."""
+    import keras
+
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        optimizer = optimizer.inner_optimizer
+    return optimizer._hvd_settings

@@ -50,7 +50,7 @@ def _carry_state(loaded, wrapped, model) -> None:
 
 
 def load_model(filepath, custom_optimizers=None, custom_objects=None,
-               compression=Compression.none):
+               compression=Compression.none, legacy_opts=False):
     """Load a saved Keras model whose optimizer averages gradients across ranks.
 
     Args:
@@ -59,6 +59,10 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None,
         custom_optimizers: optimizer classes the file uses beyond Keras's own.
         custom_objects: further names to classes or functions, as Keras takes them.
         compression: passed to :func:`DistributedOptimizer`.
+        legacy_opts: Horovod's switch to TensorFlow's ``keras.optimizers.legacy``
+            classes. Keras 3 has no legacy optimizers, and the optimizer class
+            the file names is the one wrapped either way, so it changes
+            nothing; accepted so Horovod scripts run unchanged.
 
     Returns:
         The model; if it was saved compiled, ``model.optimizer`` is a
@@ -68,6 +72,7 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None,
         >>> model = hvd.load_model("checkpoint.keras")
         >>> model.fit(x_shard, y_shard, callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
     """
+    del legacy_opts  # Keras 3 has no legacy optimizer classes to choose (see above)
     model = keras.models.load_model(filepath, custom_objects=_custom_objects(
         custom_optimizers, custom_objects))
     loaded = getattr(model, "optimizer", None)

@@ -23,10 +23,12 @@ from hvdlike.core.process_sets import (
     ProcessSet, add_process_set, global_process_set, remove_process_set,
 )
 from hvdlike.frontend import ArrayOps, barrier, join, poll, synchronize
-from hvdlike.frontend.objects import allgather_object, broadcast_object
+from hvdlike.frontend.objects import allgather_object, broadcast_object_for
 
 from . import elastic
 from .convert import NumpyAdapter
+
+broadcast_object = broadcast_object_for("hvdlike.numpy")
 
 Average = ReduceOp.AVERAGE
 Sum = ReduceOp.SUM

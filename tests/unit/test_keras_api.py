@@ -44,6 +44,7 @@ CHILD = textwrap.dedent(r'''
         "reducescatter": params(hvd.reducescatter),
         "DistributedOptimizer": params(hvd.DistributedOptimizer),
         "load_model": params(hvd.load_model),
+        "PartialDistributedOptimizer": params(hvd.PartialDistributedOptimizer),
         "MetricAverageCallback": params(hvd.callbacks.MetricAverageCallback),
         "BroadcastGlobalVariablesCallback": params(hvd.callbacks.BroadcastGlobalVariablesCallback),
         "LearningRateScheduleCallback": params(hvd.callbacks.LearningRateScheduleCallback),
@@ -195,7 +196,12 @@ def test_signatures_follow_horovod(child):
         "gradient_predivide_factor", "op", "backward_passes_per_step",
         "average_aggregated_gradients", "num_groups", "groups", "process_set"]
     assert _names(params["load_model"]) == [
-        "filepath", "custom_optimizers", "custom_objects", "compression"]
+        "filepath", "custom_optimizers", "custom_objects", "compression", "legacy_opts"]
+    assert _names(params["PartialDistributedOptimizer"]) == [
+        "optimizer", "name", "device_dense", "device_sparse", "compression", "sparse_as_dense",
+        "gradient_predivide_factor", "op", "backward_passes_per_step",
+        "average_aggregated_gradients", "groups", "process_set", "scale_local_gradients",
+        "local_layers"]
     assert params["MetricAverageCallback"][0][0] == "device"
     assert _names(params["BroadcastGlobalVariablesCallback"])[:3] == [
         "root_rank", "device", "local_variables"]
