@@ -288,7 +288,7 @@ KNOBS = (
          "(default: the whole grid search)",
          flag="--autotune-bayes-opt-max-samples"),
     Knob("autotune_gaussian_process_noise", 0.8,
-         _non_negative(float, "a number >= 0"),
+         _non_negative(float, "a number from 0 to 1", most=1.0),
          "accepted for Horovod compatibility; hvdlike's grid search has no Gaussian "
          "process, so it changes nothing",
          flag="--autotune-gaussian-process-noise"),

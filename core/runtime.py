@@ -62,16 +62,20 @@ def _with_id(pset, set_id):
 def affinity_core(cores: str, topology) -> Optional[int]:
     """The core ``HVDLIKE_THREAD_AFFINITY`` gives this rank's background thread, or None.
 
+    Fewer cores than local ranks is logged as an error and nothing is pinned (as
+    Horovod does): the job runs, unpinned.
+
     Raises:
-        ConfigError: too few cores for the local ranks, or one this process may not use.
+        ConfigError: the core of this local rank is one this process may not use.
     """
     if not cores:
         return None
     listed = [int(c) for c in cores.split(",")]
-    if topology.local_rank >= len(listed):
-        raise ConfigError(f"HVDLIKE_THREAD_AFFINITY={cores!r} names {len(listed)} core(s), but "
-                          f"this is local rank {topology.local_rank} of {topology.local_size}: "
-                          f"give one core per local rank")
+    if len(listed) < topology.local_size:
+        logger.error("HVDLIKE_THREAD_AFFINITY=%r names %d core(s) for %d local ranks (one per "
+                     "local rank is needed): the background thread is not pinned",
+                     cores, len(listed), topology.local_size)
+        return None
     core = listed[topology.local_rank]
     allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     if allowed and core not in allowed:

@@ -25,14 +25,14 @@ from hvdlike.core.errors import HvdlikeError
 
 from . import run_args
 from .errors import LaunchError
-from .hosts import HostSlots
+from .hosts import HostSlots, assign_ranks
 from .job import Job
 from .launch_config import LaunchConfig, SshOptions, current_directory, effective_settings
 from .monitor import describe_exit
-from .task import LOADING_ENV, REFUSED
+from .task import LOADING_ENV
 from .payload import (
     EXCEPTION_PICKLE, MAX_BLOB_BYTES, PAYLOAD_KEY, VALUE_PICKLE, PayloadError, get, put,
-    result_key, result_purpose, seal, verify,
+    refusal_key, refusal_purpose, result_key, result_purpose, seal, unseal, verify,
 )
 
 TASK_MODULE = "hvdlike.launcher.task"
@@ -228,8 +228,9 @@ def run(
         ssh_port: ssh port of remote hosts.
         ssh_identity_file: ssh private key.
         ssh_options: extra ``KEY=VALUE`` ssh options.
-        network_interface: interface for the store and Gloo (Horovod's
-            ``network_interfaces`` list is accepted too; the first is used).
+        network_interface: interface for the store and Gloo (a comma-separated
+            list, and Horovod's ``network_interfaces`` list, are accepted too: the
+            first carries the store and Gloo, all of them NCCL).
         env: extra environment variables for every rank.
         knobs: runtime knobs by field name, in the unit of their ``HVDLIKE_*``
             variable, e.g. ``{"cycle_time": 0.5, "fusion_threshold": 0, "shm": False}``.
@@ -280,6 +281,7 @@ def run(
     environ["PYTHONPATH"] = _rank_pythonpath(cwd, environ.get("PYTHONPATH", ""))
     knob_env = _knob_env(run_args.checked_knobs(knobs, disable_cache))
     discovery = run_args.text_arg(host_discovery_script, "host_discovery_script")
+    run_args.check_discovery_script(discovery, "hvdlike.run: host_discovery_script")
     if discovery is not None and (hosts is not None or hostfile is not None):
         raise LaunchError("hvdlike.run: host_discovery_script and hosts/hostfile cannot be "
                           "used together")
@@ -289,11 +291,15 @@ def run(
     if elastic is not None and mpi:
         raise LaunchError("hvdlike.run: use_mpi cannot run an elastic job (min_num_proc, "
                           "max_num_proc or host_discovery_script)")
-    host_slots = ([] if discovery is not None else
-                  run_args.host_list(hosts, hostfile, np if elastic is None else elastic.np))
-    if np is None and elastic is None:
-        np = run_args.slots_total(host_slots)
+    with run_args.api_terms():
+        host_slots = ([] if discovery is not None else
+                      run_args.host_list(hosts, hostfile, np if elastic is None else elastic.np))
+        if np is None and elastic is None:
+            np = run_args.slots_total(host_slots)
+        if elastic is None:
+            assign_ranks(host_slots, np)  # more ranks than slots: said before anything starts
     output_dir = run_args.text_arg(output_filename, "output_filename")
+    nics = run_args.interfaces(network_interface, network_interfaces)
     extra_mpi = run_args.mpi_arguments(mpi_args)
     if extra_mpi and not mpi:
         sys.stderr.write("hvdlike.run: mpi_args applies with use_mpi=True only; ignored\n")
@@ -304,7 +310,8 @@ def run(
         ssh=SshOptions(port=run_args.port_arg(ssh_port, "ssh_port"),
                        identity_file=run_args.text_arg(ssh_identity_file, "ssh_identity_file"),
                        options=run_args.ssh_option_list(ssh_options)),
-        network_interface=run_args.interface(network_interface, network_interfaces),
+        network_interface=nics[0] if nics else "",
+        network_interfaces=nics,
         knob_env=knob_env,
         verbose=bool(verbose),
         output_dir=output_dir,
@@ -361,9 +368,12 @@ def shipped(config: LaunchConfig, fn, args, kwargs) -> Iterator[Tuple[Job, Any]]
     """The job of ``config``, entered (its store up), holding ``fn``'s sealed payload;
     yields ``(job, store)``. The payload is sealed before anything starts, so what
     cannot be shipped is refused first."""
-    job = Job(config)
+    with run_args.api_terms():
+        job = Job(config)
     payload = _sealed_payload(job.secret, fn, args, kwargs)
-    with job:
+    with contextlib.ExitStack() as stack:
+        with run_args.api_terms():  # the checks before anything starts
+            stack.enter_context(job)
         store = job.store.client(MAX_BLOB_BYTES)
         put(store, PAYLOAD_KEY, payload)
         del payload
@@ -379,6 +389,9 @@ def gather(job: Job, store, ranks: List[int], generation: Optional[int],
     for rank in ranks:
         key = result_key(rank, generation)
         if not store.check([key]):
+            refused = _refusal(job, store, rank, generation, host_of)
+            if refused is not None:
+                outcomes[rank] = refused
             continue
         try:
             data = verify(job.secret, result_purpose(rank, generation), get(store, key))
@@ -388,6 +401,23 @@ def gather(job: Job, store, ranks: List[int], generation: Optional[int],
         outcomes[rank] = _opened(data)
         del data
     return outcomes
+
+
+def _refusal(job: Job, store, rank: int, generation: Optional[int],
+             host_of: Callable[[int], str]) -> Optional[dict]:
+    """The failed outcome of a rank that recorded refusing its payload (task.py), or
+    None when it recorded no refusal."""
+    key = refusal_key(rank, generation)
+    if not store.check([key]):
+        return None
+    try:
+        reason = unseal(job.secret, refusal_purpose(rank, generation), get(store, key))
+    except (HvdlikeError, PayloadError) as exc:
+        raise RankError(f"rank {rank} recorded a refusal that failed authentication: {exc}",
+                        rank, host_of(rank)) from None
+    return {"ok": False, "type": "PayloadRefused", "message": str(reason), "traceback": "",
+            "what": f"refused its payload: it failed authentication, so the job's store was "
+                    f"tampered with; nothing was unpickled ({reason})"}
 
 
 def _unpickled(data) -> Tuple[bool, Any]:
@@ -472,11 +502,7 @@ def _collect(job: Job, result, outcomes: Dict[int, dict]) -> List[Any]:
         else:
             worker = result.failure
         tail = "\n".join(worker.stderr_tail)
-        if worker.exit_code == REFUSED:
-            what = ("refused its payload: it failed authentication, so the job's store was "
-                    "tampered with; nothing was unpickled")
-        else:
-            what = f"{describe_exit(worker.exit_code or 0, worker.remote)} without a result"
+        what = f"{describe_exit(worker.exit_code or 0, worker.remote)} without a result"
         raise RankError(
             f"rank {worker.rank} (host {worker.host}) {what}"
             + (f"; last stderr lines:\n{tail}" if tail else ""),

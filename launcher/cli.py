@@ -21,8 +21,10 @@ What each rank gets
     ``HVDLIKE_CROSS_SIZE``, ``HVDLIKE_HOSTNAME``, ``HVDLIKE_STORE_ADDR``,
     ``HVDLIKE_STORE_PORT``, ``HVDLIKE_JOB_SECRET``, ``HVDLIKE_LAUNCHER`` and, with
     ``--network-interface``, ``HVDLIKE_GLOO_IFACE``; knob flags become their
-    ``HVDLIKE_*`` variables. The environment travels over ssh's stdin: the job
-    secret never appears on a command line.
+    ``HVDLIKE_*`` variables. Unless already set: ``PYTHONUNBUFFERED=1``, with
+    ``--tcp`` ``NCCL_IB_DISABLE=1``, with interfaces ``NCCL_SOCKET_IFNAME``. The
+    environment travels over ssh's stdin: the job secret never appears on a
+    command line.
 
 Remote hosts
     Reached with OpenSSH in batch mode (keys, no prompts): ``-p`` port, ``-i``
@@ -42,7 +44,8 @@ Inside a Slurm allocation
 Output
     Every line is prefixed ``[rank]<stdout>:`` or ``[rank]<stderr>:`` and goes to
     the launcher's stdout or stderr respectively. ``--output-filename DIR`` also
-    writes ``DIR/rank.N/stdout`` and ``DIR/rank.N/stderr``. ``--verbose`` prints
+    writes ``DIR/rank.N/stdout`` and ``DIR/rank.N/stderr`` (N zero-padded to a common
+    width, as horovodrun does). ``--verbose`` prints
     the exact commands; ``--dry-run`` prints them without running anything.
 
 Failure
@@ -82,7 +85,7 @@ from hvdlike.core import config as core_config
 
 from .errors import LaunchError
 from .hosts import MAX_RANKS
-from .run_args import check_ssh_option
+from .run_args import check_discovery_script, check_ssh_option
 from .launch_config import (
     LaunchConfig,
     SshOptions,
@@ -146,6 +149,19 @@ def _seconds(text: str) -> float:
     return value
 
 
+class _Interfaces(argparse.Action):
+    """``--network-interface(s)``: comma-separated names, every use adding to one list
+    (each name once, in the order given), as horovodrun takes them."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        names = list(getattr(namespace, self.dest, None) or [])
+        given = [n.strip() for n in values.split(",") if n.strip()]
+        if not given:  # refused by to_config, with the other empty values
+            setattr(namespace, "empty_interface_flag", option_string)
+        names += [n for n in given if n not in names]
+        setattr(namespace, self.dest, names)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser; knob flags come from :data:`hvdlike.core.config.KNOBS`."""
     parser = _Parser(
@@ -157,27 +173,28 @@ def build_parser() -> argparse.ArgumentParser:
     add("-np", "--num-proc", dest="np", type=_rank_count, metavar="N",
         help="number of ranks (default: every slot)")
     add("-H", "--hosts", metavar="HOST:SLOTS,...", help="hosts and slots, e.g. h1:4,h2:4")
-    add("--hostfile", metavar="FILE", help="file of 'host slots=N' lines")
+    add("-hostfile", "--hostfile", metavar="FILE", help="file of 'host slots=N' lines")
     add("-p", "--ssh-port", type=_port, metavar="PORT", help="ssh port of remote hosts")
     add("-i", "--ssh-identity-file", metavar="FILE", help="ssh private key")
     add("--ssh-option", action="append", default=[], metavar="KEY=VALUE",
         help="extra ssh -o option (repeatable)")
-    add("--network-interface", metavar="IFACE",
-        help="interface for the rendezvous store and Gloo (default: the one routing to the hosts)")
-    add("--network-interfaces", metavar="IFACE,...",
-        help="Horovod's spelling: a comma-separated list; the first is used as "
-             "--network-interface")
+    add("--network-interface", "--network-interfaces", dest="network_interfaces",
+        action=_Interfaces, metavar="IFACE[,IFACE...]",
+        help="interfaces to use (comma-separated, repeatable): the first carries the "
+             "rendezvous store and Gloo, all of them NCCL (NCCL_SOCKET_IFNAME) "
+             "(default: the one routing to the hosts)")
     add("--remote-python", metavar="PATH", default=sys.executable,
         help="Python on remote hosts (default: this launcher's interpreter path)")
     add("--output-filename", metavar="DIR", help="also write DIR/rank.N/{stdout,stderr}")
-    add("--prefix-output-with-timestamp", action="store_true",
+    add("-prefix-timestamp", "--prefix-output-with-timestamp", action="store_true",
         help="start every forwarded output line with the time")
     add("--grace-period-seconds", type=_seconds, default=5.0, metavar="S",
         help="time between SIGTERM and SIGKILL when stopping ranks (default 5)")
     add("--skip-preflight", action="store_true", help="do not probe remote hosts first")
     add("--verbose", action="store_true", help="print the exact commands run")
     add("--dry-run", action="store_true", help="print what would run, run nothing")
-    add("--check-build", action="store_true", help="show available frameworks and backends")
+    add("-cb", "--check-build", action="store_true",
+        help="show available frameworks and backends")
     add("--mpi", action="store_true", help="launch with mpirun (Open MPI or MPICH)")
     add("--gloo", action="store_true",
         help="launch with hvdlike's own launcher (the default; accepted as in Horovod)")
@@ -186,11 +203,15 @@ def build_parser() -> argparse.ArgumentParser:
     add("--binding-args", default="", metavar="ARGS",
         help="process binding arguments for mpirun (--mpi only), e.g. '--bind-to core'")
     add("--tcp", action="store_true",
-        help="accepted as in Horovod: hvdlike's traffic between hosts is TCP already")
+        help="TCP only: NCCL_IB_DISABLE=1 for NCCL (hvdlike's own traffic is TCP already)")
+    add("--disable-cache", action="store_true",
+        help="accepted as in Horovod, where it turns off the launcher's cache of host "
+             "checks; hvdlike-run keeps no such cache, so it changes nothing (the response "
+             "cache is --cache-capacity 0)")
     add("--jsrun", action="store_true", help=argparse.SUPPRESS)
     add("--config-file", metavar="FILE",
         help="Horovod-style YAML file of settings; flags on the command line win")
-    add("--version", action="version", version=f"{PROG} {_version()}")
+    add("-v", "--version", action="version", version=f"{PROG} {_version()}")
     elastic = parser.add_argument_group("elastic jobs (see docs/elastic.md)")
     elastic.add_argument("--min-np", "--min-num-proc", type=_rank_count, metavar="N",
                          help="fewest ranks the job runs with (default: -np)")
@@ -238,7 +259,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Horovod's other spellings of knob flags: (flag, knob field, variable value, help).
 _KNOB_ALIASES = (
-    ("--disable-cache", "cache_capacity", "0", "no response cache (HVDLIKE_CACHE_CAPACITY=0)"),
     ("--no-autotune", "autotune", "0", "do not autotune (HVDLIKE_AUTOTUNE=0)"),
     ("--no-timeline-mark-cycles", "timeline_mark_cycles", "0",
      "do not mark cycles in the timeline (HVDLIKE_TIMELINE_MARK_CYCLES=0)"),
@@ -268,14 +288,9 @@ def to_config(args: argparse.Namespace) -> LaunchConfig:
         raise LaunchError("--jsrun (IBM Spectrum LSF) is not supported: inside an LSF "
                           "allocation start the job with --mpi or with -H and the "
                           "allocation's hosts")
-    if args.network_interfaces is not None:
-        if args.network_interface is not None:
-            raise LaunchError("--network-interface and --network-interfaces cannot be used "
-                              "together")
-        names = [n.strip() for n in args.network_interfaces.split(",") if n.strip()]
-        if not names:
-            raise LaunchError("--network-interfaces is empty")
-        args.network_interface = names[0]
+    if getattr(args, "empty_interface_flag", None):
+        raise LaunchError(f"{args.empty_interface_flag} is empty")
+    interfaces = list(args.network_interfaces or [])
     if args.binding_args.strip() and not args.mpi:
         sys.stderr.write("hvdlike-run: --binding-args applies to --mpi launches only; "
                          "ignored\n")
@@ -286,13 +301,15 @@ def to_config(args: argparse.Namespace) -> LaunchConfig:
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
+    if args.hosts is not None and not args.hosts.strip():
+        raise LaunchError("-H/--hosts is empty")
     for flag, value in (("--hostfile", args.hostfile), ("--output-filename", args.output_filename),
                         ("-i/--ssh-identity-file", args.ssh_identity_file),
                         ("--remote-python", args.remote_python),
-                        ("--network-interface", args.network_interface),
                         ("--host-discovery-script", args.host_discovery_script)):
         if value is not None and not value.strip():
             raise LaunchError(f"{flag} is empty")
+    check_discovery_script(args.host_discovery_script, "--host-discovery-script")
     try:
         mpi_args = shlex.split(args.mpi_args)
     except ValueError as exc:  # e.g. an unbalanced quote
@@ -335,7 +352,9 @@ def to_config(args: argparse.Namespace) -> LaunchConfig:
         np=args.np,
         ssh=SshOptions(port=args.ssh_port, identity_file=args.ssh_identity_file,
                        options=list(args.ssh_option)),
-        network_interface=args.network_interface or "",
+        network_interface=interfaces[0] if interfaces else "",
+        network_interfaces=interfaces,
+        tcp=args.tcp,
         knob_env=knob_environment(knob_values),
         grace_seconds=args.grace_period_seconds,
         output_dir=args.output_filename,
@@ -398,9 +417,9 @@ def execute(config: LaunchConfig) -> int:
         from .rendezvous import is_local
 
         if all(is_local(h.host) for h in config.hosts):
-            if not config.dry_run:
-                check_local_command(config.command, config.cwd, config.environ.get("PATH"))
+            check_local_command(config.command, config.cwd, config.environ.get("PATH"))
             Job(config).check_rank_files()  # the timeline and autotune log, as without --mpi
+        Job(config).note_thread_affinity()
         return run_with_mpirun(config, np, dry_run=config.dry_run, verbose=print, say=_say)
     if config.elastic is not None:
         from .elastic.launch import run_elastic
@@ -412,7 +431,7 @@ def execute(config: LaunchConfig) -> int:
 
         _say(describe(config.environ, config.hosts))
     if config.dry_run:
-        job.check_rank_files()  # what a run would refuse, a dry run refuses too
+        job.check_here()  # what a run would refuse before starting, a dry run refuses too
         print_dry_run(job)
         return 0
     with job:

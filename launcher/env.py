@@ -11,7 +11,7 @@ top, each also under the ``HOROVOD_*`` name ``horovodrun`` gives it
 from __future__ import annotations
 
 import re
-from typing import Dict, Mapping
+from typing import Dict, Mapping, Sequence
 
 from hvdlike.core.topology import (
     ENV_CROSS_RANK,
@@ -30,6 +30,7 @@ from hvdlike.core.topology import (
 )
 
 from .hosts import RankPlacement
+from .task import RUN_SECRET_ENV, RUN_STORE_ENV
 
 # Variables that belong to the launcher's host or session, not to the job.
 _HOST_SPECIFIC = re.compile(
@@ -53,12 +54,35 @@ HOROVOD_MIRRORS = {
     ENV_HOSTNAME: HOROVOD_VARIABLES["hostname"],
 }
 
-# The per-rank variables a nested launcher must not leak into its own ranks.
+# The elastic driver's per-worker variables (hvdlike.core.elastic.protocol's ENV_*),
+# spelled here: importing that package loads torch, which the launcher imports
+# only where a Ctrl-C is held back (see .interrupts); a unit test keeps them equal.
+ELASTIC_VARIABLES = ("HVDLIKE_ELASTIC_WORKER", "HVDLIKE_ELASTIC_GENERATION",
+                     "HVDLIKE_ELASTIC_TIMEOUT", "HVDLIKE_ELASTIC_WORKER_SECRET")
+
+# The per-rank variables a nested launcher must not leak into its own ranks: every
+# variable hvdlike-run, the elastic driver or hvdlike.run sets for the ranks of one
+# job (a rank of an elastic job that starts a job of its own would otherwise hand
+# its worker id, generation and worker secret to ranks that have no seat there).
 JOB_VARIABLES = (
     ENV_RANK, ENV_SIZE, ENV_LOCAL_RANK, ENV_LOCAL_SIZE, ENV_CROSS_RANK, ENV_CROSS_SIZE,
     ENV_HOSTNAME, ENV_STORE_ADDR, ENV_STORE_PORT, ENV_JOB_SECRET, ENV_GLOO_IFACE,
     ENV_LAUNCHER, *HOROVOD_MIRRORS.values(),
+    *ELASTIC_VARIABLES, RUN_STORE_ENV, RUN_SECRET_ENV,
 )
+
+
+def library_defaults(interfaces: Sequence[str] = (), tcp: bool = False) -> Dict[str, str]:
+    """Variables every rank gets unless the user set them, as ``horovodrun`` sets them:
+    ``PYTHONUNBUFFERED=1`` (a rank's ``print()`` shows as it runs, not at its exit),
+    with ``--tcp`` ``NCCL_IB_DISABLE=1``, with interfaces named ``NCCL_SOCKET_IFNAME``
+    listing them all."""
+    env = {"PYTHONUNBUFFERED": "1"}
+    if tcp:
+        env["NCCL_IB_DISABLE"] = "1"
+    if interfaces:
+        env["NCCL_SOCKET_IFNAME"] = ",".join(interfaces)
+    return env
 
 
 def forwardable(name: str) -> bool:
@@ -81,6 +105,7 @@ def rank_environment(
     secret: str,
     gloo_iface: str = "",
     knobs: Mapping[str, str] = (),
+    defaults: Mapping[str, str] = (),
 ) -> Dict[str, str]:
     """Everything one rank needs: ``base`` plus knobs plus the job's variables.
 
@@ -92,10 +117,14 @@ def rank_environment(
         secret: the job secret (key prefix and HMAC key).
         gloo_iface: network interface Gloo binds to; empty lets the core choose.
         knobs: ``HVDLIKE_*`` knob variables set from launcher flags.
+        defaults: variables set only where ``base`` does not set them
+            (:func:`library_defaults`).
     """
     topo = placement.topology
     env = dict(base)
     env.update(dict(knobs))
+    for name, value in dict(defaults).items():
+        env.setdefault(name, value)
     env.update({
         ENV_RANK: str(topo.rank),
         ENV_SIZE: str(topo.size),
@@ -117,5 +146,5 @@ def rank_environment(
 
 def redact(env: Mapping[str, str]) -> Dict[str, str]:
     """A copy of ``env`` safe to print: the job secret is masked."""
-    hidden = (ENV_JOB_SECRET, "HVDLIKE_ELASTIC_WORKER_SECRET")
+    hidden = (ENV_JOB_SECRET, "HVDLIKE_ELASTIC_WORKER_SECRET", RUN_SECRET_ENV)
     return {k: ("<hidden>" if k in hidden else v) for k, v in env.items()}

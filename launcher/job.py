@@ -22,10 +22,10 @@ from .errors import LaunchError
 from .hosts import RankPlacement, assign_ranks
 from .launch_config import LaunchConfig
 from .local_exec import helper_command
-from .monitor import Output, RunResult, Worker, describe_exit, monitor
+from .monitor import Output, RunResult, Worker, describe_exit, monitor, rank_folder
 from .preflight import check_hosts, require_all_ok
 from .remote import interpreter_hint, missing_interpreter
-from .rendezvous import StoreServer, choose_address, is_local, new_secret
+from .rendezvous import StoreServer, check_interfaces, choose_address, is_local, new_secret
 from .ssh_exec import remote_helper_command, start_delay
 
 
@@ -54,8 +54,17 @@ def check_local_command(command: List[str], cwd: str, path: Optional[str]) -> No
                           f"line) does not exist{interpreter_hint(interpreter)}")
 
 
-def check_output_files(output_dir: str, rank: int) -> None:
-    """Create ``output_dir/rank.N/{stdout,stderr}`` as the rank's output will be
+def interfaces_of(config: LaunchConfig) -> List[str]:
+    """Every interface ``config`` names, the store's and Gloo's first."""
+    names = list(config.network_interfaces)
+    if config.network_interface and config.network_interface not in names:
+        names.insert(0, config.network_interface)
+    return names
+
+
+def check_output_files(output_dir: str, rank: int, size: Optional[int] = None) -> None:
+    """Create ``output_dir/rank.N/{stdout,stderr}`` (N padded as
+    :func:`~.monitor.rank_folder` pads it among ``size`` ranks) as the rank's output will be
     written (see :mod:`hvdlike.core.output_file`): regular files only, no symbolic
     link followed at ``rank.N`` or the file, none another user planted in a
     sticky shared folder on the way -- something planted in a shared folder (a
@@ -63,7 +72,7 @@ def check_output_files(output_dir: str, rank: int) -> None:
     refused by name."""
     from hvdlike.core.output_file import UnsafeOutputPath, open_output_file
 
-    folder = os.path.join(output_dir, f"rank.{rank}")
+    folder = os.path.join(output_dir, rank_folder(rank, size))
     try:
         for stream in ("stdout", "stderr"):
             os.close(open_output_file(os.path.join(folder, stream), truncate=False,
@@ -160,23 +169,53 @@ class Job:
         """
         cfg = self.config
         path = cfg.environ.get("PATH")
-        if not cfg.command or any(self.local.values()):
-            check_local_command(cfg.command, cfg.cwd, path)
-        self.check_rank_files()
-        key = cfg.ssh.identity_file
-        if self.remote_hosts and key and not cfg.use_srun and not os.path.isfile(
-                os.path.join(cfg.cwd, os.path.expanduser(key))):
-            # ssh would go on without it and fail later on a password prompt it cannot show
-            raise LaunchError(f"-i/--ssh-identity-file {key}: no such file")
+        self.check_here()
         if cfg.output_dir:  # after the checks above: a refused job leaves no folders
             for p in self.placements:
-                check_output_files(cfg.output_dir, p.rank)
+                check_output_files(cfg.output_dir, p.rank, len(self.placements))
         if self.remote_hosts and cfg.preflight and not cfg.use_srun:
             checks = check_hosts(self.remote_hosts, cfg.ssh, cfg.remote_python, cfg.cwd,
                                  cfg.command[0], path or "", cfg.start_timeout,
                                  verbose=lambda argv: self._verbose(f"pre-flight: {argv}"))
             require_all_ok(checks)
             self.helper_scripts = {check.host: check.helper for check in checks}
+
+    def check_here(self) -> None:
+        """What can be checked on this machine without creating or starting anything
+        (all a dry run checks): the command, the files ranks here write, the ssh key,
+        the network interfaces.
+
+        Raises:
+            LaunchError: naming the first problem.
+        """
+        cfg = self.config
+        if not cfg.command or any(self.local.values()):
+            check_local_command(cfg.command, cfg.cwd, cfg.environ.get("PATH"))
+        self.check_rank_files()
+        key = cfg.ssh.identity_file
+        if self.remote_hosts and key and not cfg.use_srun and not os.path.isfile(
+                os.path.join(cfg.cwd, os.path.expanduser(key))):
+            # ssh would go on without it and fail later on a password prompt it cannot show
+            raise LaunchError(f"-i/--ssh-identity-file {key}: no such file")
+        check_interfaces(interfaces_of(cfg))
+        self.note_thread_affinity()
+
+    def note_thread_affinity(self) -> None:
+        """Say once, before anything starts, when ``--thread-affinity`` names fewer
+        cores than a host runs ranks: those ranks log an error and run unpinned."""
+        from .launch_config import effective_settings
+
+        cfg = self.config
+        cores = effective_settings(cfg).thread_affinity
+        if not cores or not self.placements:
+            return
+        count = len(cores.split(","))
+        widest = max(self.placements, key=lambda p: p.topology.local_size)
+        if count < widest.topology.local_size:
+            self.output.note(f"{_named('thread_affinity', {**cfg.environ, **cfg.knob_env})} "
+                             f"{cores!r} names {count} core(s), but host {widest.host} runs "
+                             f"{widest.topology.local_size} ranks: no background thread "
+                             f"there is pinned (give one core per local rank)")
 
     def check_rank_files(self) -> None:
         """The timeline and autotune log that ranks on this machine will write."""
@@ -244,7 +283,9 @@ class Job:
         else:
             base = rank_env.base_environment(cfg.environ, not self.local[placement.host])
         env = rank_env.rank_environment(base, placement, addr, port, self.secret,
-                                        cfg.network_interface, cfg.knob_env)
+                                        cfg.network_interface, cfg.knob_env,
+                                        rank_env.library_defaults(interfaces_of(cfg),
+                                                                  cfg.tcp))
         return {"argv": cfg.command, "cwd": cfg.cwd, "env": env, "grace": cfg.grace_seconds}
 
     def _how(self, host: str) -> str:

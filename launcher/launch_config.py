@@ -66,6 +66,11 @@ class LaunchConfig:
     ssh: SshOptions = dataclasses.field(default_factory=SshOptions)
     network_interface: str = ""
     """Interface the store binds to and Gloo uses (default: the one routing to the hosts)."""
+    network_interfaces: List[str] = dataclasses.field(default_factory=list)
+    """Every interface named (the first is :attr:`network_interface`); NCCL gets them all
+    as ``NCCL_SOCKET_IFNAME``."""
+    tcp: bool = False
+    """``--tcp``: NCCL must not use InfiniBand (``NCCL_IB_DISABLE=1``)."""
     knob_env: Dict[str, str] = dataclasses.field(default_factory=dict)
     """``HVDLIKE_*`` variables set from knob flags."""
     start_timeout: float = 60.0

@@ -60,6 +60,15 @@ class WorkerState(enum.Enum):
     STOPPED = "stopped"  # ended because the launcher stopped it
 
 
+def rank_folder(rank: int, size: Optional[int] = None) -> str:
+    """The ``--output-filename`` folder of ``rank`` among ``size`` ranks: ``rank.N``
+    with N zero-padded to the width of the job's largest rank, as horovodrun names
+    them, so they sort (``rank.00`` ... ``rank.10`` for 11 ranks; ``rank.0`` ...
+    ``rank.9`` for 10). Without ``size``, unpadded."""
+    width = len(str(size - 1)) if size and size > 1 else 1
+    return f"rank.{rank:0{width}d}"
+
+
 def describe_exit(code: int, remote: bool) -> str:
     """Human-readable reason for a helper's exit status."""
     if code < 0:
@@ -378,7 +387,8 @@ class Worker:
         source = getattr(self._proc, stream)
         log = None
         if self._log_dir:
-            path = os.path.join(self._log_dir, f"rank.{self.rank}", stream)
+            path = os.path.join(self._log_dir,
+                                rank_folder(self.rank, self.placement.topology.size), stream)
             try:
                 # The rank's bytes as they came, not re-encoded; never through a
                 # symbolic link or into a FIFO planted since the launcher's check

@@ -161,9 +161,19 @@ def _write_ssh_wrapper(folder: str, ssh_args: Sequence[str]) -> str:
 
 
 def mpi_environment(config: LaunchConfig) -> Mapping[str, str]:
-    """mpirun's environment: the launcher's plus knob variables, minus job variables."""
+    """mpirun's environment: the launcher's plus knob variables, minus job variables,
+    plus NCCL's variables for ``--tcp`` and the interfaces named, unless the user set
+    them (:func:`.env.library_defaults`). Not ``PYTHONUNBUFFERED``: mpirun forwards
+    output itself, and Hydra's ``-prepend-rank`` would prefix every piece of a line
+    an unbuffered ``print()`` writes."""
+    from .job import interfaces_of
+
     env = {k: v for k, v in config.environ.items() if k not in rank_env.JOB_VARIABLES}
     env.update(config.knob_env)
+    defaults = rank_env.library_defaults(interfaces_of(config), config.tcp)
+    del defaults["PYTHONUNBUFFERED"]
+    for name, value in defaults.items():
+        env.setdefault(name, value)
     return env
 
 
@@ -173,10 +183,13 @@ _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def run_with_mpirun(config: LaunchConfig, np: int, dry_run: bool = False,
-                    verbose=print, mpirun: str = "mpirun", say=None) -> int:
+                    verbose=print, mpirun: str = "mpirun", say=None,
+                    job_env: Optional[Mapping[str, str]] = None) -> int:
     """Run the job under mpirun; return its exit status (or 0 after a dry run).
 
     ``say``: reports a line of the launcher's own (an interrupted job).
+    ``job_env``: variables of this job for every rank (``hvdlike.run``'s store and
+    secret), set after the launcher's own job variables were taken out.
     """
     flavour = detect_flavour(mpirun)
     as_root = hasattr(os, "geteuid") and os.geteuid() == 0
@@ -184,7 +197,8 @@ def run_with_mpirun(config: LaunchConfig, np: int, dry_run: bool = False,
         sys.stderr.write(f"hvdlike-run: running as root: passing {ROOT_FLAG} to Open MPI's "
                          "mpirun, which refuses root otherwise\n")
     env = mpi_environment(config)
-    names = sorted(k for k in env if rank_env.forwardable(k))
+    env.update(job_env or {})
+    names = sorted(k for k in env if rank_env.forwardable(k) or k in (job_env or {}))
     remote = any(h.host not in ("localhost", "127.0.0.1") for h in config.hosts)
     ssh_args = ssh_options(config.ssh) if remote else []
     output_dir = config.output_dir

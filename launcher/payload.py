@@ -42,6 +42,18 @@ def result_purpose(rank: int, generation: Optional[int] = None) -> str:
     return f"result/{rank}" if generation is None else f"result/{generation}/{rank}"
 
 
+def refusal_key(rank: int, generation: Optional[int] = None) -> str:
+    """Where rank ``rank`` records that it refused the payload (it failed
+    authentication), so the caller tells a refusal from a function's own exit status."""
+    if generation is None:
+        return f"launcher/run/refused/{rank}"
+    return f"launcher/run/refused/{generation}/{rank}"
+
+
+def refusal_purpose(rank: int, generation: Optional[int] = None) -> str:
+    return f"refused/{rank}" if generation is None else f"refused/{generation}/{rank}"
+
+
 # A rank's outcome carries its return value, and the exception its function
 # raised, pickled on their own inside it: the caller unpickles the outcome (plain
 # text and numbers) first, so a value or exception that does not unpickle there

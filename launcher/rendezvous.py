@@ -15,7 +15,7 @@ import os
 import pwd
 import socket
 from functools import lru_cache
-from typing import Iterable, List, Tuple
+from typing import Iterable, List, Sequence, Tuple
 
 from hvdlike.core.job_secret import new_secret  # noqa: F401 - re-exported for the launcher
 from hvdlike.core.topology import local_address_towards
@@ -110,6 +110,25 @@ def interface_address(interface: str) -> str:
         if entry.family == socket.AF_INET:
             return entry.address
     raise LaunchError(f"--network-interface {interface!r} has no IPv4 address")
+
+
+def check_interfaces(names: Sequence[str]) -> None:
+    """Every interface of ``names`` exists here, and the first (the store's) has an
+    IPv4 address.
+
+    Raises:
+        LaunchError: naming the first interface that does not.
+    """
+    import psutil
+
+    if not names:
+        return
+    interface_address(names[0])
+    interfaces = psutil.net_if_addrs()
+    for name in names[1:]:
+        if name not in interfaces:
+            raise LaunchError(f"--network-interface {name!r} does not exist here "
+                              f"(available: {', '.join(sorted(interfaces))})")
 
 
 def choose_address(remote_hosts: Iterable[str], interface: str = "") -> str:

@@ -11,10 +11,12 @@ means (see :mod:`.cli`), and the same combinations are refused.
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 import operator
+import re
 import shlex
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
 from hvdlike.core import config as core_config
 
@@ -22,6 +24,37 @@ from .errors import LaunchError
 from .hosts import (
     MAX_RANKS, HostSlots, checked_name, no_repeats, parse_hosts, read_hostfile,
 )
+
+
+# The hvdlike-run flags checks shared with the command line name, and the argument
+# of ``run`` each one is.
+_ARGUMENT_OF_FLAG = {
+    "-H/--hosts": "hosts", "--hostfile": "hostfile", "-np": "np", "--min-np": "min_np",
+    "--max-np": "max_np", "--slots-per-host": "slots", "--reset-limit": "reset_limit",
+    "--elastic-timeout": "elastic_timeout", "--blacklist-cooldown-range": "cooldown_range",
+    "--host-discovery-script": "host_discovery_script", "--output-filename": "output_filename",
+    "--network-interface": "network_interface", "-i/--ssh-identity-file": "ssh_identity_file",
+}
+_FLAG = re.compile(r"(?<![\w/-])(" + "|".join(
+    re.escape(f) for f in sorted(_ARGUMENT_OF_FLAG, key=len, reverse=True)) + r")(?![\w/-])")
+PREFIX = "hvdlike.run: "
+
+
+def in_api_terms(message: str) -> str:
+    """A launcher error as ``hvdlike.run`` says it: prefixed, naming its arguments
+    where the shared check named ``hvdlike-run``'s flags."""
+    if message.startswith(PREFIX):
+        return message
+    return PREFIX + _FLAG.sub(lambda m: _ARGUMENT_OF_FLAG[m.group(1)], message)
+
+
+@contextlib.contextmanager
+def api_terms() -> Iterator[None]:
+    """Re-raise a :class:`LaunchError` from the checks inside in API terms."""
+    try:
+        yield
+    except LaunchError as exc:
+        raise LaunchError(in_api_terms(str(exc))) from None
 
 
 def count_arg(value: Any, name: str, minimum: int = 1) -> Optional[int]:
@@ -60,11 +93,19 @@ def text_arg(value: Any, name: str) -> Optional[str]:
     return value
 
 
-def interface(network_interface: Any, network_interfaces: Any) -> str:
-    """The interface from ``network_interface`` (a name, or Horovod's older
-    comma-separated list) or ``network_interfaces`` (a list); the first one named."""
-    if network_interface and network_interfaces:
-        raise LaunchError("hvdlike.run: pass network_interface or network_interfaces, not both")
+def interfaces(network_interface: Any, network_interfaces: Any) -> List[str]:
+    """The interfaces ``network_interface`` (a name, or Horovod's older
+    comma-separated list) and ``network_interfaces`` (a list) name together, each
+    once, in the order given (empty: neither given)."""
+    return _unique(_interface_list(network_interface, None)
+                   + _interface_list(None, network_interfaces))
+
+
+def _unique(names: List[str]) -> List[str]:
+    return list(dict.fromkeys(names))
+
+
+def _interface_list(network_interface: Any, network_interfaces: Any) -> List[str]:
     if network_interfaces:
         if isinstance(network_interfaces, str):
             names = network_interfaces.split(",")
@@ -83,11 +124,11 @@ def interface(network_interface: Any, network_interfaces: Any) -> str:
                               f"{type(network_interface).__name__}")
         names = network_interface.split(",")
     else:
-        return ""
+        return []
     names = [n.strip() for n in names if n.strip()]
     if not names:
         raise LaunchError("hvdlike.run: network_interfaces names no interface")
-    return names[0]
+    return names
 
 
 def host_list(hosts: Union[None, str, Sequence[HostSlots]], hostfile: Any,
@@ -97,11 +138,14 @@ def host_list(hosts: Union[None, str, Sequence[HostSlots]], hostfile: Any,
     if hosts is not None and hostfile is not None:
         raise LaunchError("hvdlike.run: pass hosts or hostfile, not both")
     if hostfile is not None:
-        return read_hostfile(text_arg(hostfile, "hostfile"))
+        path = text_arg(hostfile, "hostfile")
+        with api_terms():
+            return read_hostfile(path)
     if hosts is None:
         return [HostSlots("localhost", np if np is not None else 1)]
     if isinstance(hosts, str):
-        return parse_hosts(hosts)
+        with api_terms():
+            return parse_hosts(hosts)
     listed = list(hosts) if isinstance(hosts, (list, tuple)) else [hosts]
     if not listed or not all(isinstance(h, HostSlots) for h in listed):
         raise LaunchError("hvdlike.run: hosts must be a 'host:slots,...' string or a list of "
@@ -156,6 +200,15 @@ def ssh_option_list(options: Any) -> List[str]:
     return list(options)
 
 
+def check_discovery_script(script: Optional[str], what: str) -> None:
+    """A host discovery script given by path must not be a directory (running it
+    would only say "Permission denied")."""
+    import os
+
+    if script and os.sep in script and os.path.isdir(os.path.expanduser(script)):
+        raise LaunchError(f"{what} {script}: is a directory, not an executable script")
+
+
 def check_ssh_option(option: str, what: str) -> None:
     key = option.partition("=")[0]
     if "=" not in option or not key.strip() or any(c.isspace() for c in key):
@@ -206,9 +259,10 @@ def elastic_settings(np: Optional[int], min_np: Optional[int], max_np: Optional[
         except (TypeError, ValueError):
             raise LaunchError(f"hvdlike.run: elastic_timeout must be seconds, got "
                               f"{elastic_timeout!r}") from None
-    return settings_from_flags(np, min_np, max_np, discovery_script, slots,
-                               count_arg(reset_limit, "reset_limit", 0), elastic_timeout,
-                               cooldown_range)
+    reset_limit = count_arg(reset_limit, "reset_limit", 0)
+    with api_terms():
+        return settings_from_flags(np, min_np, max_np, discovery_script, slots, reset_limit,
+                                   elastic_timeout, cooldown_range)
 
 
 def horovod_arguments(num_proc, np, min_num_proc, min_np, max_num_proc, max_np,
@@ -241,11 +295,13 @@ def slots_total(hosts: Sequence[HostSlots]) -> int:
 
 
 def checked_knobs(knobs: Optional[Mapping[str, Any]], disable_cache: Any) -> Dict[str, Any]:
-    """``knobs`` plus Horovod's ``disable_cache`` (no response cache, as the flag)."""
+    """``knobs``, checked to be a mapping. Horovod's ``disable_cache`` is accepted and
+    changes nothing, as ``--disable-cache``: in Horovod it turns off the launcher's
+    cache of host checks, which hvdlike does not keep (the response cache is the
+    ``cache_capacity`` knob)."""
+    del disable_cache
     merged: Dict[str, Any] = dict(knobs) if isinstance(knobs, Mapping) else {}
     if knobs is not None and not isinstance(knobs, Mapping):
         raise TypeError(f"hvdlike.run: knobs must be a mapping of knob field to value, got "
                         f"{type(knobs).__name__}")
-    if disable_cache:
-        merged.setdefault("cache_capacity", 0)
     return merged

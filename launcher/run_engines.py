@@ -15,13 +15,12 @@ ranks start and where their outcomes are filed:
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from typing import Any, Callable, Dict, List
 
 from .api import RankError, first_cause, gather, interrupted, raise_outcome, shipped
 from .launch_config import LaunchConfig
-from .task import REFUSED, RUN_SECRET_ENV, RUN_STORE_ENV
+from .task import RUN_SECRET_ENV, RUN_STORE_ENV
 
 
 def _results(outcomes: Dict[int, dict], ranks: List[int], host_of: Callable[[int], str],
@@ -92,14 +91,9 @@ def run_under_mpirun(config: LaunchConfig, fn, args, kwargs) -> List[Any]:
         hosts = {p.rank: p.host for p in job.placements}
         ranks = list(hosts)
         addr, port = job.store.endpoint()
-        environ = dict(config.environ)
-        environ[RUN_STORE_ENV] = f"{addr}:{port}"
-        environ[RUN_SECRET_ENV] = job.secret
-        code = run_with_mpirun(dataclasses.replace(config, environ=environ), len(ranks),
-                               verbose=print)
+        code = run_with_mpirun(config, len(ranks), verbose=print,
+                               job_env={RUN_STORE_ENV: f"{addr}:{port}",
+                                        RUN_SECRET_ENV: job.secret})
         outcomes = gather(job, store, ranks, None, hosts.__getitem__)
-    why = (" (a rank that refuses its payload, which failed authentication, exits with it)"
-           if code == REFUSED else "")
     return _results(outcomes, ranks, hosts.__getitem__,
-                    lambda rank: f"ended without a result (mpirun exited with status {code}"
-                                 f"{why})")
+                    lambda rank: f"ended without a result (mpirun exited with status {code})")

@@ -3,7 +3,10 @@
 Reads the sealed ``(fn, args, kwargs)`` from the job's store, refuses it unless
 its HMAC matches the job secret, runs it, and stores the sealed outcome under
 this rank's result key. Exit status 0 when ``fn`` returned, 1 when it raised
-(the caller gets the exception), 3 when the payload was refused.
+(the caller gets the exception), 3 when the payload was refused. A refusal is also
+recorded in the store (:func:`~.payload.refusal_key`, sealed like a result): that
+record, not the exit status (which ``fn`` can produce too), is what the caller
+reports as a refusal.
 
 The outcome holds the return value pickled on its own, and for an exception its
 type name, message and traceback as text, plus the exception pickled on its own
@@ -25,7 +28,7 @@ from hvdlike.core.topology import (
 
 from .payload import (
     EXCEPTION_PICKLE, MAX_BLOB_BYTES, PAYLOAD_KEY, VALUE_PICKLE, PayloadError, get, put,
-    result_key, result_purpose, seal, unseal,
+    refusal_key, refusal_purpose, result_key, result_purpose, seal, unseal,
 )
 
 REFUSED = 3
@@ -122,6 +125,17 @@ def _round_trip(exc: BaseException):
         return None
 
 
+def _record_refusal(store, secret: str, rank: int, reason: str) -> None:
+    """Tell the caller this rank refused its payload (best effort: the exit status
+    and the line on stderr remain when the store cannot take it)."""
+    rank, generation = _result_place(rank)
+    try:
+        put(store, refusal_key(rank, generation),
+            seal(secret, refusal_purpose(rank, generation), reason[:2000]))
+    except Exception as exc:  # noqa: BLE001 - the refusal itself must still end the rank
+        sys.stderr.write(f"hvdlike.run: rank {rank} could not record its refusal: {exc}\n")
+
+
 def main() -> int:
     try:
         secret, rank, addr, port, size = _placement()
@@ -153,6 +167,7 @@ def main() -> int:
             os.environ.pop(LOADING_ENV, None)
     except (PayloadError, StoreTamperedError) as exc:
         sys.stderr.write(f"hvdlike.run: rank {rank} refused its payload: {exc}\n")
+        _record_refusal(store, secret, rank, str(exc))
         return REFUSED
     except Exception as exc:  # authentic, but this rank cannot rebuild it (a missing module)
         outcome = {"ok": False, "type": type(exc).__name__,

@@ -78,6 +78,7 @@ def run_elastic(config: LaunchConfig, settings: ElasticSettings, say) -> int:
     if config.dry_run:
         from ..job import print_dry_run
 
+        job.check_here()  # what a real start would refuse first, a dry run refuses too
         print_dry_run(job)
         return 0
     with job:

@@ -117,3 +117,43 @@ def test_a_launcher_stderr_that_cannot_be_written_does_not_stop_the_job(marker, 
     assert [line for line in out.splitlines() if line.startswith("[0]")] == [
         "[0]<stdout>:out 0", "[0]<stdout>:out 1", "[0]<stdout>:out 2"]
     assert (logs / "rank.0" / "stderr").read_text() == "err 0\nerr 1\nerr 2\n"
+
+
+@pytest.mark.parametrize("own", [None, "0"], ids=["unset", "users_own"])
+def test_print_without_flush_is_forwarded_while_the_rank_runs(marker, own):
+    # horovodrun sets PYTHONUNBUFFERED=1 for every rank; a value of the user's stays.
+    go_on = marker / "go-on"
+    script = write_script(marker, "unflushed.py", f"""
+        import os, sys, time
+        print("unbuffered=" + repr(os.environ.get("PYTHONUNBUFFERED")))  # no flush
+        waited = time.monotonic()
+        while not os.path.exists({str(go_on)!r}):  # created once the test saw the line
+            if time.monotonic() - waited > 20:
+                print("the line was not forwarded while the rank ran")
+                sys.exit(3)
+            time.sleep(0.05)
+    """)
+    env = launcher_env()
+    env.pop("PYTHONUNBUFFERED", None)
+    if own is not None:
+        env["PYTHONUNBUFFERED"] = own
+    proc = subprocess.Popen(launcher_argv() + ["-np", "1", sys.executable, script], cwd=ROOT,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    try:
+        seen = {"stdout": b"", "stderr": b""}
+        _read_until(proc, seen, lambda s: b"unbuffered=" in s["stdout"], timeout=120)
+        go_on.touch()
+        _read_until(proc, seen, lambda s: False, timeout=120)
+        code = proc.wait(timeout=60)
+    finally:
+        kill_session(proc.pid)
+        proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()
+    out = seen["stdout"].decode()
+    if own is None:
+        assert out == "[0]<stdout>:unbuffered='1'\n", out
+        assert code == 0, seen["stderr"].decode()
+    else:  # the user asked for buffered output: it comes at the rank's exit
+        assert out.startswith("[0]<stdout>:unbuffered='0'\n"), out

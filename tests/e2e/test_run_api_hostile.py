@@ -383,3 +383,21 @@ def test_sigterm_reaches_the_callers_handler_after_the_ranks_stop(tagged, own_ha
     else:
         assert proc.returncode == -15, (proc.returncode, out, err)
     assert "received SIGTERM; stopping 2 rank(s)" in err
+
+
+EXITS_WITH_THREE = """
+    def exits_three():
+        if os.environ["HVDLIKE_RANK"] == "1":
+            os._exit(3)
+        return "ok"
+"""
+
+
+def test_a_function_exiting_with_status_three_is_not_taken_for_a_refused_payload(tagged):
+    # 3 is also the status of a rank that refuses its payload; only the refusal's
+    # own record in the store makes the caller say so.
+    code, report, err = _call(tagged, EXITS_WITH_THREE, "exits_three")
+    assert code == 0, err
+    assert report["error"] == "RankError", report
+    assert report["message"] == "rank 1 (host localhost) exited with code 3 without a result", \
+        report

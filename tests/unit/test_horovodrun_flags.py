@@ -37,13 +37,41 @@ def _config(*argv):
     return cli.to_config(cli.build_parser().parse_args(list(argv)))
 
 
+# horovodrun's other spellings (horovod/runner/launch.py), each with its long one.
+HOROVODRUN_SHORT_FLAGS = {
+    "-v": "--version", "-np": "--num-proc", "-cb": "--check-build", "-p": "--ssh-port",
+    "-i": "--ssh-identity-file", "-prefix-timestamp": "--prefix-output-with-timestamp",
+    "-H": "--hosts", "-hostfile": "--hostfile",
+}
+
+
 def test_every_horovodrun_flag_is_known():
     known = set(cli.build_parser()._option_string_actions)
     assert [f for f in HOROVODRUN_FLAGS if f not in known] == []
 
 
+@pytest.mark.parametrize("short, long", sorted(HOROVODRUN_SHORT_FLAGS.items()))
+def test_every_horovodrun_short_spelling_is_the_same_flag(short, long):
+    actions = cli.build_parser()._option_string_actions
+    assert short in actions and actions[short] is actions[long]
+
+
+def test_short_spellings_parse_as_horovodrun_parses_them(tmp_path, capsys):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("localhost slots=2\n")
+    args = cli.build_parser().parse_args(["-np", "2", "-hostfile", str(hostfile),
+                                          "-prefix-timestamp", "-cb", "python", "x.py"])
+    assert (args.np, args.hostfile, args.prefix_output_with_timestamp, args.check_build) == (
+        2, str(hostfile), True, True)
+    assert args.command == ["python", "x.py"]
+    config = _config("-np", "1", "-hostfile", str(hostfile), "python", "x.py")
+    assert [(h.host, h.slots) for h in config.hosts] == [("localhost", 2)]
+    with pytest.raises(SystemExit) as info:
+        cli.build_parser().parse_args(["-v"])
+    assert info.value.code == 0 and capsys.readouterr().out.startswith("hvdlike-run ")
+
+
 @pytest.mark.parametrize("flag, variable, value", [
-    ("--disable-cache", "HVDLIKE_CACHE_CAPACITY", "0"),
     ("--no-autotune", "HVDLIKE_AUTOTUNE", "0"),
     ("--no-timeline-mark-cycles", "HVDLIKE_TIMELINE_MARK_CYCLES", "0"),
     ("--stall-check", "HVDLIKE_STALL_CHECK_DISABLE", "0"),
@@ -76,10 +104,15 @@ def test_valued_flags_set_their_variables(argv, variable, value):
     (["--thread-affinity", "-1"], "core ids >= 0"),
     (["--num-nccl-streams", "0"], "--num-nccl-streams '0' is not valid"),
     (["--autotune-bayes-opt-max-samples", "0"], "an integer > 0"),
-    (["--autotune-gaussian-process-noise", "nan"], "a number >= 0"),
+    (["--autotune-gaussian-process-noise", "nan"], "a number from 0 to 1"),
+    (["--autotune-gaussian-process-noise", "1.5"],
+     "--autotune-gaussian-process-noise '1.5' is not valid: expected a number from 0 to 1"),
+    (["--autotune-gaussian-process-noise", "-0.1"], "a number from 0 to 1"),
     (["--jsrun"], "--jsrun (IBM Spectrum LSF) is not supported"),
     (["--network-interfaces", " , "], "--network-interfaces is empty"),
-    (["--network-interfaces", "lo", "--network-interface", "lo"], "cannot be used together"),
+    (["--network-interface", ","], "--network-interface is empty"),
+    (["-H", "", "--hostfile", "f"], "-H/--hosts is empty"),
+    (["-H", " "], "-H/--hosts is empty"),
     (["--mpi", "--binding-args", "'--bind-to"], "--binding-args"),
 ])
 def test_bad_values_are_refused_naming_the_flag(argv, needle):
@@ -90,9 +123,64 @@ def test_bad_values_are_refused_naming_the_flag(argv, needle):
 def test_aliases_and_list_spellings():
     config = _config("--network-interfaces", "eth1,eth0", "-np", "1", "python", "x.py")
     assert config.network_interface == "eth1"
+    assert config.network_interfaces == ["eth1", "eth0"]
     elastic = _config("-np", "2", "--min-num-proc", "1", "--max-num-proc", "3", "python", "x.py")
     assert (elastic.elastic.min_np, elastic.elastic.max_np) == (1, 3)
     assert _config("-np", "1", "--tcp", "python", "x.py").knob_env == {}
+
+
+def test_interfaces_from_commas_and_repeated_flags_are_their_union_in_order():
+    config = _config("--network-interface", "lo,eth0", "--network-interfaces", "eth1",
+                     "--network-interface", "eth0", "-np", "1", "python", "x.py")
+    assert config.network_interfaces == ["lo", "eth0", "eth1"]
+    assert config.network_interface == "lo"  # the store's and Gloo's (HVDLIKE_GLOO_IFACE)
+
+
+def test_disable_cache_is_accepted_and_sets_nothing_for_the_ranks():
+    # horovodrun's --disable-cache only skips its launcher's cache of host checks
+    config = _config("-np", "1", "--disable-cache", "python", "x.py")
+    assert config.knob_env == {}
+    assert _config("-np", "1", "--cache-capacity", "0", "python", "x.py").knob_env == {
+        "HVDLIKE_CACHE_CAPACITY": "0"}
+
+
+def _rank_env(*argv, environ=None):
+    from hvdlike.launcher.job import Job
+
+    config = _config("-np", "1", *argv, "python", "x.py")
+    if environ is not None:
+        config.environ = environ
+    job = Job(config)
+    return job.rank_spec(job.placements[0], "127.0.0.1", 1)["env"]
+
+
+def test_tcp_and_interfaces_set_nccls_variables_unless_the_user_did():
+    env = _rank_env("--tcp", "--network-interface", "lo,eth0", environ={"PATH": "/bin"})
+    assert env["NCCL_IB_DISABLE"] == "1"
+    assert env["NCCL_SOCKET_IFNAME"] == "lo,eth0"
+    assert env["HVDLIKE_GLOO_IFACE"] == "lo"
+    plain = _rank_env(environ={"PATH": "/bin"})
+    assert "NCCL_IB_DISABLE" not in plain and "NCCL_SOCKET_IFNAME" not in plain
+    own = _rank_env("--tcp", "--network-interface", "lo",
+                    environ={"NCCL_IB_DISABLE": "0", "NCCL_SOCKET_IFNAME": "=ib0"})
+    assert (own["NCCL_IB_DISABLE"], own["NCCL_SOCKET_IFNAME"]) == ("0", "=ib0")
+
+
+def test_every_rank_is_unbuffered_unless_the_user_chose():
+    assert _rank_env(environ={"PATH": "/bin"})["PYTHONUNBUFFERED"] == "1"
+    assert _rank_env(environ={"PYTHONUNBUFFERED": ""})["PYTHONUNBUFFERED"] == ""
+
+
+def test_mpirun_gets_nccls_variables_and_no_outer_job_variables():
+    from hvdlike.launcher.mpi_exec import mpi_environment
+
+    config = _config("--mpi", "-np", "1", "--tcp", "--network-interfaces", "lo,eth0",
+                     "python", "x.py")
+    config.environ = {"PATH": "/bin", "HVDLIKE_ELASTIC_WORKER": "w9"}
+    env = mpi_environment(config)
+    assert (env["NCCL_IB_DISABLE"], env["NCCL_SOCKET_IFNAME"]) == ("1", "lo,eth0")
+    # mpirun forwards the output; unbuffered pieces would each get Hydra's prefix
+    assert "PYTHONUNBUFFERED" not in env and "HVDLIKE_ELASTIC_WORKER" not in env
 
 
 def test_binding_args_go_to_mpirun_and_are_reported_as_ignored_without_it(capsys):
@@ -147,10 +235,41 @@ def test_thread_affinity_names_one_core_per_local_rank():
     allowed = sorted(__import__("os").sched_getaffinity(0))
     assert affinity_core("", topo) is None
     assert affinity_core(f"{allowed[0]},{allowed[-1]}", topo) == allowed[-1]
-    with pytest.raises(ConfigError, match="names 1 core.*local rank 1 of 2"):
-        affinity_core(str(allowed[0]), topo)
     with pytest.raises(ConfigError, match="core 4096 .* not available"):
         affinity_core("0,4096", topo)
+
+
+@pytest.mark.parametrize("local_rank", [0, 1])
+def test_too_few_affinity_cores_log_an_error_and_pin_nothing(local_rank, monkeypatch):
+    # As Horovod: an error in the log, the job runs unpinned (rank 0 too, though
+    # the list names a core for it).
+    from hvdlike.core import runtime
+
+    logged = []
+    monkeypatch.setattr(runtime.logger, "error", lambda text, *args: logged.append(text % args))
+    topo = Topology(rank=local_rank, size=2, local_rank=local_rank, local_size=2)
+    allowed = sorted(__import__("os").sched_getaffinity(0))
+    assert affinity_core(str(allowed[0]), topo) is None
+    assert logged == [
+        f"HVDLIKE_THREAD_AFFINITY='{allowed[0]}' names 1 core(s) for 2 local ranks (one per "
+        f"local rank is needed): the background thread is not pinned"]
+
+
+def test_the_launcher_says_once_when_affinity_names_too_few_cores(capsys):
+    from hvdlike.launcher.job import Job
+
+    def notes(*argv):
+        config = _config(*argv, "python", "x.py")
+        config.environ = {"PATH": "/bin"}
+        Job(config).note_thread_affinity()
+        return [line for line in capsys.readouterr().err.splitlines() if line]
+
+    assert notes("-H", "a:1,b:3", "--thread-affinity", "0,1") == [
+        "hvdlike-run: --thread-affinity (HVDLIKE_THREAD_AFFINITY) '0,1' names 2 core(s), but "
+        "host b runs 3 ranks: no background thread there is pinned (give one core per "
+        "local rank)"]
+    assert notes("-H", "a:1,b:3", "--thread-affinity", "0,1,2") == []
+    assert notes("-np", "2") == []
 
 
 def test_mpi_without_threads_keeps_the_engines_on_gloo():

@@ -1,5 +1,7 @@
 """Command-line parsing: flags to LaunchConfig, knob flags from the core's table."""
 
+import os
+
 import pytest
 
 from hvdlike.core import config as core_config
@@ -297,3 +299,63 @@ def test_rank_files_on_this_machine_are_checked_before_any_rank_starts(tmp_path,
     with pytest.raises(LaunchError, match=needle):
         job.check()
     _job(tmp_path, "-np", "2", "--timeline-filename", "t{rank}.json", "true").check()
+
+
+def test_output_folders_are_zero_padded_like_horovodruns_so_they_sort(tmp_path):
+    from hvdlike.launcher.monitor import rank_folder
+
+    assert [rank_folder(r, 11) for r in (0, 1, 10)] == ["rank.00", "rank.01", "rank.10"]
+    assert [rank_folder(r, 10) for r in (0, 9)] == ["rank.0", "rank.9"]
+    assert rank_folder(0, 1) == "rank.0" and rank_folder(100, 101) == "rank.100"
+    # the check before any rank starts makes the folders the ranks will write
+    logs = tmp_path / "logs"
+    _job(tmp_path, "-np", "11", "--output-filename", str(logs), "true").check()
+    names = sorted(p.name for p in logs.iterdir())
+    assert names == [f"rank.{r:02d}" for r in range(11)]
+    assert all(sorted(p.name for p in (logs / n).iterdir()) == ["stderr", "stdout"]
+               for n in names)
+
+
+def test_worker_output_files_take_the_padded_folder(tmp_path):
+    from hvdlike.launcher.hosts import assign_ranks
+    from hvdlike.launcher.monitor import Output, Worker
+
+    placement = assign_ranks([HostSlots("localhost", 11)], 11)[3]
+    worker = Worker(placement, ["true"], {}, remote=False, output=Output(),
+                    log_dir=str(tmp_path))
+    read, write = os.pipe()
+    os.write(write, b"hello\n")
+    os.close(write)
+    with open(read, "rb", buffering=0) as source:
+        worker._proc = type("P", (), {"stdout": source})()
+        worker._pump("stdout")
+    assert (tmp_path / "rank.03" / "stdout").read_bytes() == b"hello\n"
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["-np", "1", "hvdlike-no-such-command"], "command not found: hvdlike-no-such-command"),
+    (["-np", "1", "--network-interface", "hvdlike-nosuch0", "true"],
+     "--network-interface 'hvdlike-nosuch0' does not exist here"),
+    (["-np", "1", "--network-interface", "lo,hvdlike-nosuch0", "true"],
+     "--network-interface 'hvdlike-nosuch0' does not exist here"),
+    (["--mpi", "-np", "1", "hvdlike-no-such-command"],
+     "command not found: hvdlike-no-such-command"),
+    (["-np", "1", "--min-np", "1", "-H", "localhost:1", "hvdlike-no-such-command"],
+     "command not found: hvdlike-no-such-command"),  # elastic
+])
+def test_a_dry_run_refuses_what_a_real_run_refuses_before_starting(argv, needle, capsys):
+    assert cli.main(["--dry-run", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hvdlike-run: error: ") and needle in err and err.count("\n") == 1, err
+
+
+def test_a_dry_run_of_a_good_job_prints_it(capsys):
+    assert cli.main(["--dry-run", "-np", "2", "--network-interface", "lo", "true"]) == 0
+    out = capsys.readouterr().out
+    assert "rank 1 on localhost" in out and "HVDLIKE_GLOO_IFACE=lo" in out
+
+
+def test_a_discovery_script_that_is_a_directory_is_named_as_one(tmp_path):
+    with pytest.raises(LaunchError, match=r"^--host-discovery-script .*: is a directory, not an "
+                                          r"executable script$"):
+        _config("-np", "1", "--host-discovery-script", str(tmp_path), "true")

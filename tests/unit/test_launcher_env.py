@@ -67,3 +67,54 @@ def test_remote_helper_command_line_has_no_secret():
 def test_many_ranks_on_one_host_open_ssh_paced():
     assert [start_delay(i) for i in range(SSH_BURST)] == [0.0] * SSH_BURST
     assert 0 < start_delay(SSH_BURST) < start_delay(SSH_BURST + 1)
+
+
+def _every_variable_a_launcher_sets_for_its_ranks():
+    """What a rank of an elastic hvdlike.run job under hvdlike-run finds in its
+    environment from its launchers (the elastic driver's own, the run helper's, the job's)."""
+    import types
+
+    from hvdlike.launcher import task
+    from hvdlike.launcher.elastic.driver import ElasticDriver
+
+    placement = assign_ranks([HostSlots("a", 2)], 2)[1]
+    env = rank_env.rank_environment({}, placement, "10.0.0.1", 1234, "s3cret", gloo_iface="eth1")
+    driver = types.SimpleNamespace(settings=types.SimpleNamespace(elastic_timeout=600),
+                                   _secrets={"w9": "worker-secret"})
+    env.update(ElasticDriver.worker_env(driver, "w9", 5))
+    env.update({task.RUN_STORE_ENV: "10.0.0.1:1234", task.RUN_SECRET_ENV: "s3cret"})
+    return env
+
+
+def test_a_launcher_started_inside_a_rank_passes_none_of_the_outer_jobs_variables():
+    # A rank of an elastic job that starts a job of its own: its ranks must not take
+    # the outer worker id, generation or worker secret for theirs.
+    outer = _every_variable_a_launcher_sets_for_its_ranks()
+    assert {"HVDLIKE_ELASTIC_WORKER", "HVDLIKE_ELASTIC_GENERATION", "HVDLIKE_ELASTIC_TIMEOUT",
+            "HVDLIKE_ELASTIC_WORKER_SECRET"} <= set(outer)
+    outer["HVDLIKE_CYCLE_TIME"] = "2"  # a knob is the user's setting: it stays
+    for remote in (False, True):
+        base = rank_env.base_environment(outer, remote=remote)
+        assert base == {"HVDLIKE_CYCLE_TIME": "2"}, (remote, base)
+
+
+def test_redact_hides_every_secret_a_rank_gets():
+    shown = rank_env.redact(_every_variable_a_launcher_sets_for_its_ranks())
+    assert "s3cret" not in shown.values() and "worker-secret" not in shown.values()
+
+
+def test_the_launchers_elastic_variable_names_are_the_elastic_protocols_and_load_no_torch():
+    import subprocess
+    import sys
+
+    from hvdlike.core.elastic import protocol
+    from hvdlike.launcher import env
+
+    assert set(env.ELASTIC_VARIABLES) == {protocol.ENV_WORKER, protocol.ENV_GENERATION,
+                                          protocol.ENV_TIMEOUT, protocol.ENV_WORKER_SECRET}
+    # The launcher imports torch only where a Ctrl-C is held back (hvdlike.launcher.interrupts).
+    probe = ("import sys, hvdlike.launcher.cli, hvdlike.launcher.env, hvdlike.launcher.job; "
+             "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         timeout=60)
+    assert out.stdout.strip() == "False", out.stdout + out.stderr

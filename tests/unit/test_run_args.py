@@ -54,19 +54,19 @@ def test_use_gloo_and_use_mpi_choose_the_engine():
 
 
 def test_network_interfaces_as_a_list_or_horovods_older_comma_string():
-    assert run_args.interface("", None) == ""
-    assert run_args.interface("eth1", None) == "eth1"
-    assert run_args.interface("eth1,eth2", None) == "eth1"
-    assert run_args.interface(None, ["lo", "eth0"]) == "lo"
-    assert run_args.interface(None, "eth3") == "eth3"
-    with pytest.raises(LaunchError, match="network_interface or network_interfaces, not both"):
-        run_args.interface("eth0", ["eth1"])
+    assert run_args.interfaces("", None) == []
+    assert run_args.interfaces("eth1", None) == ["eth1"]
+    assert run_args.interfaces("eth1,eth2", None) == ["eth1", "eth2"]
+    assert run_args.interfaces(None, ["lo", "eth0"]) == ["lo", "eth0"]
+    assert run_args.interfaces(None, "eth3") == ["eth3"]
+    # both given: their union, each once, as horovodrun's repeated flags
+    assert run_args.interfaces("eth0,lo", ["eth1", "eth0"]) == ["eth0", "lo", "eth1"]
     with pytest.raises(LaunchError, match=r"list of interface names, got \[1\]"):
-        run_args.interface(None, [1])
+        run_args.interfaces(None, [1])
     with pytest.raises(LaunchError, match="names no interface"):
-        run_args.interface(None, [" "])
+        run_args.interfaces(None, [" "])
     with pytest.raises(LaunchError, match="network_interfaces must be a list"):
-        run_args.interface(None, 5)
+        run_args.interfaces(None, 5)
 
 
 def test_hosts_hostfile_or_localhost(tmp_path):
@@ -112,12 +112,14 @@ def test_elastic_arguments_make_an_elastic_job_and_need_one():
         run_args.elastic_settings(2, 1, None, None, None, None, "soon", None)
     with pytest.raises(LaunchError, match="reset_limit -1 is not valid"):
         run_args.elastic_settings(2, 1, None, None, None, -1, None, None)
-    with pytest.raises(LaunchError, match="max-np 1 is less than --min-np 2"):
+    with pytest.raises(LaunchError, match="hvdlike.run: max_np 1 is less than min_np 2"):
         run_args.elastic_settings(2, 2, 1, None, None, None, None, None)
 
 
-def test_disable_cache_turns_the_response_cache_off():
-    assert run_args.checked_knobs(None, True) == {"cache_capacity": 0}
+def test_disable_cache_is_accepted_and_leaves_the_response_cache_alone():
+    # horovod.run's disable_cache is about its launcher's cache of host checks
+    assert run_args.checked_knobs(None, True) == {}
+    assert run_args.checked_knobs({"cache_capacity": 0}, True) == {"cache_capacity": 0}
     assert run_args.checked_knobs({"cycle_time": 1}, None) == {"cycle_time": 1}
     with pytest.raises(TypeError, match="knobs must be a mapping"):
         run_args.checked_knobs([("cycle_time", 1)], None)
@@ -144,6 +146,17 @@ def test_disable_cache_turns_the_response_cache_off():
     (dict(np=1, ssh_port=0), r"ssh_port=0 is not a TCP port \(1-65535\)"),
     (dict(np=1, ssh_port=True), r"ssh_port=True is not a TCP port"),
     (dict(np=1, knobs={"cycle_time": True}), "this knob takes a value, not on/off"),
+    # the checks shared with hvdlike-run name run's arguments, not its flags
+    (dict(np=1, hosts=""), r"^hvdlike.run: hosts is empty"),
+    (dict(np=1, hosts=" "), r"^hvdlike.run: hosts is empty"),
+    (dict(np=2, hosts="localhost:1"),
+     r"^hvdlike.run: np 2 is more than the 1 slot\(s\) available \(localhost:1\)$"),
+    (dict(np=2, min_np=1, cooldown_range=(5, 1)),
+     r"^hvdlike.run: cooldown_range 5 1 is not valid: expected 0 <= LO <= HI$"),
+    (dict(np=2, min_np=3), r"^hvdlike.run: np 2 is less than min_np 3$"),
+    (dict(np=1, hosts="a:x"), r"^hvdlike.run: hosts entry 'a:x': slots 'x' must be"),
+    (dict(np=1, host_discovery_script="/"), r"^hvdlike.run: host_discovery_script /: is a "
+                                            r"directory, not an executable script$"),
 ])
 def test_bad_combinations_are_refused_before_anything_starts(kwargs, match):
     before = set(os.listdir("/proc"))
@@ -171,3 +184,14 @@ def test_mpi_args_without_use_mpi_are_ignored_saying_so(capsys, monkeypatch):
     with pytest.raises(RuntimeError, match="stopped before the launch"):
         hvdlike.run(_noop, np=1, mpi_args="-x FOO")
     assert "mpi_args applies with use_mpi=True only; ignored" in capsys.readouterr().err
+
+
+def test_flag_names_in_shared_checks_become_run_argument_names():
+    assert run_args.in_api_terms("--max-np 1 is less than --min-np 2") == \
+        "hvdlike.run: max_np 1 is less than min_np 2"
+    assert run_args.in_api_terms("-np 3 is more than ...") == "hvdlike.run: np 3 is more than ..."
+    assert run_args.in_api_terms("-i/--ssh-identity-file k: no such file") == \
+        "hvdlike.run: ssh_identity_file k: no such file"
+    # already in API terms, or a flag-like word inside a value: left alone
+    assert run_args.in_api_terms("hvdlike.run: -np x") == "hvdlike.run: -np x"
+    assert run_args.in_api_terms("host 'a-np' twice") == "hvdlike.run: host 'a-np' twice"
