@@ -133,6 +133,53 @@ def finished_key(number: int) -> str:
     return f"elastic/g{number}/finished"
 
 
+def late_key(number: int) -> str:
+    """Where a member of generation ``number`` reports the members that did not
+    arrive within the start timeout (MACed with the generation's key: only its
+    members and the launcher can write it). The launcher decides from it which
+    processes to stop, never the reporter."""
+    return f"elastic/g{number}/late"
+
+
+@dataclasses.dataclass(frozen=True)
+class LateReport:
+    """A member's word that others of its generation did not arrive in time."""
+
+    by: str  # the reporting member's worker id
+    missing: List[str]  # worker ids that had not arrived
+    seconds: float  # how long the reporter waited for them
+
+
+def report_late(view, number: int, report: LateReport) -> None:
+    """Write ``report`` for generation ``number`` through the generation's ``view``."""
+    view.set(late_key(number), json.dumps({"by": report.by, "missing": report.missing,
+                                           "seconds": report.seconds}).encode())
+
+
+def read_late(view, number: int) -> Optional[LateReport]:
+    """Generation ``number``'s report of late members, or None when there is none.
+
+    Raises:
+        StoreTamperedError: the record was not written by a holder of the
+            generation's key, or is not a report (signed, but not hvdlike's).
+    """
+    key = late_key(number)
+    if not view.check([key]):
+        return None
+    raw = view.get(key)
+    try:
+        data = json.loads(raw.decode())
+        report = LateReport(data["by"], list(data["missing"]), float(data["seconds"]))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        report = None
+    if report is None or not isinstance(report.by, str) or \
+            not all(isinstance(w, str) for w in report.missing):
+        from hvdlike.core.store_auth import StoreTamperedError
+
+        raise StoreTamperedError(key, "holds something that is not a report of late members")
+    return report
+
+
 def generation_prefix(number: int) -> str:
     """The prefix of generation ``number``'s runtime keys (Gloo, health, ...)."""
     return f"elastic{number}/"
@@ -180,6 +227,7 @@ def forget_generation(store, number: int, view=None) -> int:
     # roster still lists it knows that the seat was deleted by someone else.
     doomed = [roster_key(number)]
     doomed += [ready_key(number, w) for w in members.members] + [finished_key(number)]
+    doomed.append(late_key(number))
     doomed += [seat_key(number, w) for w in members.members]
     doomed += [lost_key(number, r) for r in range(members.size)]
     for rank in range(members.size):

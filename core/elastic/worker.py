@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Callable, MutableMapping, Optional
+from typing import Callable, List, MutableMapping, Optional
 
 from hvdlike.core.errors import HvdlikeInternalError
 from hvdlike.core.log import logger
@@ -31,6 +31,21 @@ _POLL_SECONDS = 0.05
 # How long a rank waits for the launcher's next generation when the
 # launcher did not say (it passes its --elastic-timeout plus a margin).
 DEFAULT_WAIT_SECONDS = 660.0
+# The start timeout when the job's knob cannot be read (the knob's default).
+DEFAULT_START_SECONDS = 60.0
+
+
+def _start_timeout(environ) -> float:
+    """The job's start timeout (``--start-timeout``, ``HVDLIKE_START_TIMEOUT``): how
+    long a member waits for the others of its generation before it reports the
+    missing ones to the launcher, as a static job's ranks wait for each other."""
+    from hvdlike.core import config
+    from hvdlike.core.errors import ConfigError
+
+    try:
+        return config.load(environ).start_timeout
+    except ConfigError:  # init() itself reports the bad value right after
+        return DEFAULT_START_SECONDS
 
 
 class ElasticStoreTampered(StoreTamperedError):
@@ -52,6 +67,7 @@ class WorkerContext:
         self.worker = self.environ.get(protocol.ENV_WORKER, "")
         self.generation = int(self.environ.get(protocol.ENV_GENERATION, "0") or 0)
         self.wait_seconds = float(self.environ.get(protocol.ENV_TIMEOUT, DEFAULT_WAIT_SECONDS))
+        self.start_seconds = _start_timeout(self.environ)
         self.worker_secret = self.environ.get(protocol.ENV_WORKER_SECRET, "")
         self._connect = connect or self._connect_job_store
         self._store = None
@@ -266,8 +282,15 @@ class WorkerContext:
         When the launcher supersedes the generation meanwhile (a member died on
         its way in), move on to the newest one.
 
+        Members still missing after the start timeout are reported to the
+        launcher (:meth:`_report_late`), which stops those that never arrived
+        anywhere and publishes a generation without them: this process is the
+        healthy one and goes on waiting, to move on to that generation. It fails
+        only when nothing has changed within the longer elastic wait.
+
         Raises:
-            HvdlikeInternalError: the members did not all arrive in time.
+            HvdlikeInternalError: the members did not all arrive, and the launcher
+                published no other generation, within the elastic wait.
             ElasticStoreTampered: this process's seat was deleted (see :meth:`left_out`).
             SystemExit: the newest generation leaves this process out (status 0).
         """
@@ -285,6 +308,7 @@ class WorkerContext:
             view = self.view(number)
             view.set(protocol.ready_key(number, self.worker), b"1")
             keys = [protocol.ready_key(number, w) for w in members]
+            report_at, reported = clock() + self.start_seconds, False
             while not self.store.check(keys):
                 latest = self.latest()
                 if latest > number:
@@ -295,9 +319,10 @@ class WorkerContext:
                     logger.warning("elastic worker %s: the job was completed before "
                                    "generation %d formed; leaving", self.worker, number)
                     raise SystemExit(0)
+                if not reported and clock() > report_at:
+                    reported = self._report_late(number, members, view)
                 if clock() > deadline:
-                    missing = [w for w in members
-                               if not self.store.check([protocol.ready_key(number, w)])]
+                    missing = self._missing(number, members)
                     raise HvdlikeInternalError(
                         f"elastic worker {self.worker}: generation {number} members "
                         f"{', '.join(missing)} did not arrive within {self.wait_seconds:g}s")
@@ -308,6 +333,29 @@ class WorkerContext:
                 self._forget_older(number)
                 return
             self._move_to(latest)
+
+    def _missing(self, number: int, members) -> List[str]:
+        """The members of generation ``number`` that have not announced themselves."""
+        return [w for w in members if not self.store.check([protocol.ready_key(number, w)])]
+
+    def _report_late(self, number: int, members, view) -> bool:
+        """Tell the launcher which members of generation ``number`` did not arrive
+        within the start timeout; True once reported.
+
+        Written through the generation's view (MACed with its key), so nobody
+        outside the generation can name its members late. The launcher checks
+        the claim against the members' own ready marks before it acts.
+        """
+        missing = self._missing(number, members)
+        if not missing:
+            return False
+        protocol.report_late(view, number, protocol.LateReport(self.worker, missing,
+                                                               self.start_seconds))
+        logger.warning("elastic worker %s: generation %d member(s) %s did not arrive within "
+                       "%gs (the start timeout); reported them to the launcher, which stops "
+                       "those that never arrived and re-forms without them", self.worker, number,
+                       ", ".join(missing), self.start_seconds)
+        return True
 
     def _move_to(self, number: int) -> bool:
         """Take this process's place in generation ``number``, newer than its own;

@@ -10,7 +10,7 @@ processes on free slots, host by host in discovery order, up to ``max_np``.
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Sequence, Set, Tuple
+from typing import AbstractSet, Dict, List, Sequence, Set, Tuple
 
 from hvdlike.core.mpi_bootstrap import topologies
 
@@ -37,7 +37,7 @@ def usable_slots(hosts: Sequence[HostSlots]) -> List[Slot]:
 
 
 def assign(survivors: Sequence[Tuple[str, Slot]], hosts: Sequence[HostSlots], max_np: int,
-           new_worker_ids) -> List[Member]:
+           new_worker_ids, excluded: AbstractSet[Slot] = frozenset()) -> List[Member]:
     """The members of the next generation, in rank order.
 
     Args:
@@ -45,6 +45,8 @@ def assign(survivors: Sequence[Tuple[str, Slot]], hosts: Sequence[HostSlots], ma
         hosts: usable hosts (discovered, not blacklisted), in discovery order.
         max_np: most ranks allowed.
         new_worker_ids: iterator of ids for processes to start.
+        excluded: slots not to use, on hosts that are (a process there never
+            started up, while others on its host did).
 
     Example:
         >>> ids = iter(["w3", "w4"])
@@ -52,7 +54,7 @@ def assign(survivors: Sequence[Tuple[str, Slot]], hosts: Sequence[HostSlots], ma
         ...     HostSlots("b", 1)], 4, ids)]
         ['w1', 'w3']
     """
-    usable = usable_slots(hosts)
+    usable = [slot for slot in usable_slots(hosts) if slot not in excluded]
     allowed: Set[Slot] = set(usable)
     kept = [Member(worker, slot, False) for worker, slot in survivors if slot in allowed][:max_np]
     taken = {m.slot for m in kept}

@@ -7,6 +7,11 @@ re-forms the job when
 
 * a rank process fails (non-zero exit or death): its host is blacklisted and
   its surviving peers meet again without it;
+* a member reports that others of its generation did not arrive within the
+  start timeout: those that never arrived in any generation (alive, but hung or
+  slow before ``init()``) are stopped and their hosts blacklisted -- or only
+  their slots dropped, on a host where members did arrive -- and the members
+  that did arrive meet again without them;
 * discovery adds usable slots while the job is below ``--max-np``, or removes a
   host that runs ranks.
 
@@ -43,7 +48,7 @@ from ..monitor import (
 )
 from ..rendezvous import is_local
 from ..ssh_exec import start_delay
-from .assignment import Member, Slot, assign, placements
+from .assignment import Member, Slot, assign, placements, usable_slots
 from .discovery import LastGood
 from .host_table import HostTable
 from .settings import ElasticSettings
@@ -53,7 +58,8 @@ SETTLE_SECONDS = 0.5
 # one still running this long afterwards is stopped.
 REMOVED_GRACE_SECONDS = 30.0
 WAIT_MARGIN_SECONDS = 60.0
-# How often the driver checks that elastic/latest still says what it wrote.
+# How often the driver checks that elastic/latest still says what it wrote,
+# and looks for the current generation's arrivals and reports of late members.
 LATEST_CHECK_SECONDS = 0.2
 
 
@@ -124,6 +130,12 @@ class ElasticDriver:
         self._keys: Dict[int, bytes] = {}  # generation number -> its key
         self._latest_checked = float("-inf")
         self._latest_restored = 0  # times elastic/latest was found changed and put back
+        self._arrivals_checked = float("-inf")
+        self._arrived: set = set()  # workers seen announced in some generation
+        self._dropped: set = set()  # workers stopped for not arriving
+        self._dropped_slots: set = set()  # their slots, on hosts that stay in use
+        self._late_noted: set = set()  # (generation, worker) reported but kept
+        self._tamper_noted: set = set()  # generations with a forged record, said once
 
     # -- the loop --------------------------------------------------------------------
 
@@ -177,6 +189,8 @@ class ElasticDriver:
                 self._check_progress()
             if self.result.interrupted is None and self.result.exit_code == 0:
                 self._guard_latest()
+                if not self._finishing:
+                    self._check_arrivals()
             self._stop_removed()
             if not self.live and (self._finishing or self.result.interrupted
                                   or self.result.exit_code != 0):
@@ -214,6 +228,9 @@ class ElasticDriver:
             return
         worker.exit_code = code
         member = worker_id in {m.worker for m in self.members}
+        if worker_id in self._dropped:  # stopped for not arriving: counted already
+            worker.state = WorkerState.STOPPED
+            return
         if not member:  # left out of the current generation: expected to leave
             worker.state = WorkerState.STOPPED
             return
@@ -304,10 +321,111 @@ class ElasticDriver:
         again = f" ({self._latest_restored} times so far)" if self._latest_restored > 1 else ""
         self.output.note(f"{what} by a process without the job's secret; restored it{again}")
 
+    # -- members that do not arrive ------------------------------------------------------
+
+    def _check_arrivals(self) -> None:
+        """Note which members of the current generation have arrived, and act on
+        a member's report that others did not (see :meth:`_drop_late`)."""
+        now = self.clock()
+        if self.generation == 0 or now - self._arrivals_checked < LATEST_CHECK_SECONDS:
+            return
+        self._arrivals_checked = now
+        number = self.generation
+        view = self.store.for_generation(self._keys.get(number))
+        try:
+            self._note_arrivals(number, view)
+            report = protocol.read_late(view, number)
+        except StoreTamperedError as exc:
+            if number not in self._tamper_noted:
+                self._tamper_noted.add(number)
+                self.output.note(f"ignoring a record of generation {number} hvdlike did not "
+                                 f"write: {exc}")
+            return
+        except Exception:  # noqa: BLE001 - the store is closing with the job
+            return
+        if report is not None:
+            self._drop_late(number, report)
+
+    def _note_arrivals(self, number: int, view) -> None:
+        """Remember the members whose ready mark in generation ``number`` is there
+        and is their generation's (a process that arrived once is not "late to
+        start" when it later takes long to reach a commit). A mark not signed
+        with the generation's key is no arrival."""
+        for m in self.members:
+            key = protocol.ready_key(number, m.worker)
+            if m.worker in self._arrived or not self.store.check([key]):
+                continue
+            try:
+                view.get(key)
+            except StoreTamperedError:
+                continue
+            self._arrived.add(m.worker)
+
+    def _drop_late(self, number: int, report: protocol.LateReport) -> None:
+        """Stop the members ``report`` names that never arrived, and re-form without them.
+
+        Only a member that has arrived may report, and only members that have
+        never arrived in any generation are dropped: a survivor still on its way
+        to its next commit is waited for (see :meth:`_note_waited_for`). The
+        reporter, which did arrive, is never blamed.
+        """
+        members = {m.worker: m for m in self.members}
+        if report.by not in members or report.by not in self._arrived:
+            return
+        late = [members[w] for w in dict.fromkeys(report.missing)
+                if w in members and w in self.live and w not in self._arrived
+                and w not in self._dropped]
+        self._note_waited_for(number, report, members)
+        if not late:
+            return
+        arrived_hosts = {m.slot.host for m in self.members if m.worker in self._arrived}
+        blacklisted: set = set()
+        for m in late:
+            self._drop(m, number, report, arrived_hosts, blacklisted)
+        self._schedule_reform()
+
+    def _drop(self, member: Member, number: int, report: protocol.LateReport,
+              arrived_hosts: set, blacklisted: set) -> None:
+        """Stop one member that never arrived and keep its place out of the job.
+
+        Its host is blacklisted as a failed rank's would be, unless a member that
+        arrived runs there too (blacklisting it would drop that one as well): then
+        only its slot is dropped, never given to a new process.
+        """
+        host, worker, now = member.slot.host, self.live[member.worker], self.clock()
+        self._dropped.add(member.worker)
+        worker.request_stop()
+        reason = f"did not arrive for generation {number} within {report.seconds:g}s"
+        self.result.lost.append(Lost(worker.rank, member.worker, host, reason, number))
+        if host in arrived_hosts:
+            self._dropped_slots.add(member.slot)
+            what = f"its slot dropped (host {host} stays: members that arrived run there)"
+        elif host in blacklisted:
+            what = f"host {host} blacklisted"
+        else:
+            blacklisted.add(host)
+            until = self.table.blacklist(host, now)
+            back = "for the rest of the job" if until is None else f"for {until - now:.0f}s"
+            what = f"host {host} blacklisted {back}"
+        self.output.note(f"member {member.worker} (rank {worker.rank}) on {host} {reason} "
+                         f"(reported by {report.by}); stopping it; {what}; re-forming")
+
+    def _note_waited_for(self, number: int, report: protocol.LateReport, members) -> None:
+        """Say once per generation and member when a reported member is kept: it took
+        part in an earlier generation, and reaches this one at its next commit."""
+        wait = self.settings.elastic_timeout + WAIT_MARGIN_SECONDS
+        for w in report.missing:
+            if w in self._arrived and w in members and (number, w) not in self._late_noted:
+                self._late_noted.add((number, w))
+                self.output.note(f"member {w} has not arrived for generation {number} within "
+                                 f"{report.seconds:g}s; it took part in an earlier one (on its "
+                                 f"way to its next commit), so it is waited for up to {wait:g}s "
+                                 "(--elastic-timeout plus a minute)")
+
     def _hosts_matter(self) -> bool:
         """Whether the new host list calls for a re-form."""
         now = self.clock()
-        usable = {Slot(h.host, i) for h in self.table.available(now) for i in range(h.slots)}
+        usable = set(usable_slots(self.table.available(now))) - self._dropped_slots
         if any(m.slot not in usable for m in self.members):
             return True
         return len(self.members) < self.settings.max_np and len(usable) > len(self.members)
@@ -329,16 +447,20 @@ class ElasticDriver:
 
     def _usable_members(self) -> List[Member]:
         """What a re-form would give now (for messages; starts nothing)."""
-        survivors = [(m.worker, m.slot) for m in self.members if m.worker in self.live]
         placeholder_ids = itertools.repeat("new")
-        return assign(survivors, self.table.available(self.clock()), self.settings.max_np,
-                      placeholder_ids)
+        return assign(self._survivors(), self.table.available(self.clock()),
+                      self.settings.max_np, placeholder_ids, self._dropped_slots)
+
+    def _survivors(self):
+        """``(worker, slot)`` of the current members still running and not dropped."""
+        return [(m.worker, m.slot) for m in self.members
+                if m.worker in self.live and m.worker not in self._dropped]
 
     def _reform(self) -> None:
         now = self.clock()
-        survivors = [(m.worker, m.slot) for m in self.members if m.worker in self.live]
         target = self.settings.np if self.generation == 0 else self.settings.max_np
-        members = assign(survivors, self.table.available(now), target, self._ids)
+        members = assign(self._survivors(), self.table.available(now), target, self._ids,
+                         self._dropped_slots)
         if len(members) < self.settings.min_np:
             if self._below_since is None:
                 self._below_since = now
@@ -359,6 +481,12 @@ class ElasticDriver:
             self._removed_at.setdefault(worker_id, now)
 
     def _publish(self, members: List[Member], removed_only: bool) -> None:
+        if self.generation:
+            try:  # arrivals not seen yet: its ready marks go once the next one forms
+                self._note_arrivals(self.generation,
+                                    self.store.for_generation(self._keys.get(self.generation)))
+            except Exception:  # noqa: BLE001 - the store is closing with the job
+                pass
         self.generation += 1
         number = self.generation
         places = placements(members)

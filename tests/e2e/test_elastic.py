@@ -358,3 +358,60 @@ def test_a_job_with_process_sets_shrinks_and_grows_back(marker):
     assert sorted(r for r, _, _ in ends) == ["0", "1", "2"], out
     assert {(x, y) for _, x, y in ends} == {("1", "None")}, out  # b is gone on every rank
     assert "is not registered in this elastic generation" in err, err[-4000:]
+
+
+HANG_BEFORE_INIT = """
+    import os, sys, time
+    import torch
+    torch.set_num_threads(1)
+    if os.environ["HVDLIKE_ELASTIC_WORKER"] == os.environ["HANG_WORKER"]:
+        print("HANGING", os.environ["HVDLIKE_ELASTIC_WORKER"], flush=True)
+        time.sleep(100)  # alive, but never reaches init()
+    import hvdlike.torch as hvd
+    began = time.monotonic()
+    hvd.init()
+    total = hvd.allreduce(torch.ones(1), op=hvd.Sum, name="after").item()
+    print(f"INIT worker={os.environ['HVDLIKE_ELASTIC_WORKER']} rank={hvd.rank()} "
+          f"size={hvd.size()} sum={total:g} waited={time.monotonic() - began:.1f}", flush=True)
+    hvd.shutdown()
+"""
+
+
+def test_a_member_that_never_reaches_init_is_dropped_not_the_one_waiting_for_it(marker):
+    # w1 sleeps before init(). w0 waits for it for the start timeout (not the elastic
+    # timeout plus a minute), reports it, and the launcher stops w1 and blacklists
+    # its host -- not w0's, which goes on alone in generation 2.
+    script = write_script(marker, "hang_init.py", HANG_BEFORE_INIT)
+    code, out, err, seconds = run(
+        ["-np", "2", "--min-np", "1", "--start-timeout", "3", "-H", "127.0.0.1:1,127.0.0.2:1",
+         sys.executable, script], timeout=90, env=_env(HANG_WORKER="w1"))
+    assert code == 0, err
+    assert re.findall(r"INIT worker=(\w+) rank=(\d) size=(\d) sum=(\S+)", out) == [
+        ("w0", "0", "1", "1")], out
+    assert "member w1 (rank 1) on 127.0.0.2 did not arrive for generation 1 within 3s " \
+           "(reported by w0); stopping it; host 127.0.0.2 blacklisted for the rest of the " \
+           "job; re-forming" in err, err
+    assert "host 127.0.0.1 blacklisted" not in err, err
+    assert "generation 2: 1 rank(s) on 127.0.0.1:1" in err, err
+    assert "lost rank 1 (generation 1) on host 127.0.0.2: did not arrive for generation 1 " \
+           "within 3s" in err, err
+    assert "exited with code" not in err, err
+    print(f"job ended {seconds:.1f}s after start")
+
+
+def test_a_late_member_on_a_host_shared_with_arrived_ones_loses_only_its_slot(marker):
+    # One host: blacklisting it would stop the members that arrived as well. The start
+    # timeout comes from the environment here (HVDLIKE_START_TIMEOUT), long enough for
+    # w0 and w2 to arrive within it of each other on a loaded machine.
+    script = write_script(marker, "hang_init.py", HANG_BEFORE_INIT)
+    code, out, err, _ = run(
+        ["-np", "3", "--min-np", "2", "-H", "localhost:3", sys.executable, script],
+        timeout=90, env=_env(HANG_WORKER="w1", HVDLIKE_START_TIMEOUT="8"))
+    assert code == 0, err
+    assert sorted(re.findall(r"INIT worker=(\w+) rank=(\d) size=(\d) sum=(\S+)", out)) == [
+        ("w0", "0", "2", "2"), ("w2", "1", "2", "2")], out
+    assert "member w1 (rank 1) on localhost did not arrive for generation 1 within 8s" in err
+    assert "its slot dropped (host localhost stays: members that arrived run there)" in err
+    assert "blacklisted" not in err, err
+    assert "generation 2: 2 rank(s) on localhost:2" in err, err
+    assert "generation 3" not in err, err  # the dropped slot is not filled again

@@ -228,6 +228,30 @@ def test_enter_times_out_naming_the_missing_members():
         ctx.enter()
 
 
+def test_enter_reports_members_missing_after_the_start_timeout_and_keeps_waiting():
+    # The start timeout (HVDLIKE_START_TIMEOUT, --start-timeout), not the elastic wait,
+    # bounds the wait for a member that never arrives; the waiting member reports it
+    # and moves on to the generation the launcher publishes without it.
+    store = FakeStore()
+    _publish(store, 1, ["w0", "w1"])
+    env = {protocol.ENV_WORKER: "w1", protocol.ENV_GENERATION: "1", protocol.ENV_TIMEOUT: "600",
+           "HVDLIKE_START_TIMEOUT": "2"}
+    ctx = WorkerContext(env, connect=lambda: store)
+    assert ctx.start_seconds == 2.0
+    now, reports = [0.0], []
+
+    def sleep(seconds):
+        now[0] += 0.25
+        if store.check([protocol.late_key(1)]) and not reports:
+            reports.append((now[0], protocol.read_late(store, 1)))
+            _publish(store, 2, ["w1"])  # the launcher drops w0
+
+    ctx.enter(clock=lambda: now[0], sleep=sleep)
+    assert ctx.generation == 2 and env["HVDLIKE_SIZE"] == "1"
+    assert reports and 2.0 < reports[0][0] < 3.0, reports
+    assert reports[0][1] == protocol.LateReport("w1", ["w0"], 2.0)
+
+
 def test_waiting_for_a_generation_times_out_with_a_clear_error():
     ctx, _ = _context(FakeStore())
     ctx.wait_seconds = 0.2

@@ -213,3 +213,13 @@ def test_a_discovery_script_that_times_out_leaves_nothing_running(tmp_path):
             break
         discovery.threading.Event().wait(0.1)
     assert left == []
+
+
+def test_excluded_slots_are_given_to_nobody():
+    # the slot of a process that never started up, on a host whose other slots are in use
+    members = assign([("w0", Slot("a", 0))], [HostSlots("a", 3)], 10, _ids(),
+                     excluded={Slot("a", 1)})
+    assert [(m.worker, m.slot) for m in members] == [("w0", Slot("a", 0)), ("w100", Slot("a", 2))]
+    survivors = assign([("w0", Slot("a", 1))], [HostSlots("a", 2)], 10, _ids(),
+                       excluded={Slot("a", 1)})
+    assert [m.slot for m in survivors] == [Slot("a", 0)] and survivors[0].new
