@@ -17,7 +17,6 @@ back:
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import threading
@@ -26,6 +25,7 @@ from typing import Callable, Optional
 import jax
 
 from hvdlike.core.elastic import loop
+from hvdlike.frontend.unwrap import Unwrapping
 
 _lock = threading.Lock()
 _recorded: Optional[BaseException] = None
@@ -74,7 +74,7 @@ def original_error(exc: BaseException) -> Optional[BaseException]:
     return found
 
 
-class original_errors(contextlib.ContextDecorator):
+class original_errors(Unwrapping):
     """Re-raise, in place of a ``JaxRuntimeError``, the hvdlike exception it reports.
 
     Usable as ``with hvd.original_errors(): ...`` around a jitted step (and
@@ -86,15 +86,7 @@ class original_errors(contextlib.ContextDecorator):
         ...     params, opt_state = step(params, opt_state, x, y)
     """
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, value, tb):
-        found = original_error(value) if value is not None else None
-        if found is None:
-            return False
-        # The JAX error is only a formatted copy of this one: do not chain it.
-        raise found.with_traceback(found.__traceback__) from None
+    _original = staticmethod(original_error)
 
 
 class _Jitted:

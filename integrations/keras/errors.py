@@ -11,9 +11,10 @@ hvdlike's exceptions directly and the helpers change nothing.
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 from typing import Optional
+
+from hvdlike.frontend.unwrap import Unwrapping
 
 from .backend import backend_name
 
@@ -31,7 +32,7 @@ def original_error(exc: BaseException) -> Optional[BaseException]:
     return errors.original_error(exc) if errors is not None else None
 
 
-class original_errors(contextlib.ContextDecorator):
+class original_errors(Unwrapping):
     """Re-raise, in place of a ``JaxRuntimeError``, the hvdlike exception it reports.
 
     Example:
@@ -39,12 +40,4 @@ class original_errors(contextlib.ContextDecorator):
         ...     model.fit(x, y, callbacks=[...])
     """
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, value, tb):
-        found = original_error(value) if value is not None else None
-        if found is None:
-            return False
-        # The JAX error is only a formatted copy of this one: do not chain it.
-        raise found.with_traceback(found.__traceback__) from None
+    _original = staticmethod(original_error)

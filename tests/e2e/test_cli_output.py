@@ -37,6 +37,27 @@ def _read_until(proc, seen, found, timeout):
         selector.close()
 
 
+def _run_watching(args, env, go_on, until, check_seen=lambda proc, seen: None):
+    """Run ``hvdlike-run args`` and read its output until ``until(seen)``, while the
+    rank still runs (it waits for ``go_on``); ``check_seen(proc, seen)`` then, before
+    ``go_on`` is made and the rest is read. Returns (exit status, seen bytes)."""
+    proc = subprocess.Popen(launcher_argv() + args, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        seen = {"stdout": b"", "stderr": b""}
+        _read_until(proc, seen, until, timeout=120)
+        check_seen(proc, seen)
+        go_on.touch()
+        _read_until(proc, seen, lambda s: False, timeout=120)
+        code = proc.wait(timeout=60)
+    finally:
+        kill_session(proc.pid)
+        proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()
+    return code, seen
+
+
 def test_a_long_line_and_a_progress_bar_are_forwarded_while_the_rank_runs(marker):
     go_on = marker / "go-on"
     script = write_script(marker, "progress.py", f"""
@@ -54,23 +75,14 @@ def test_a_long_line_and_a_progress_bar_are_forwarded_while_the_rank_runs(marker
         print("\\nafter")
     """)
     logs = marker / "logs"
-    proc = subprocess.Popen(launcher_argv() + ["-np", "1", "--output-filename", str(logs),
-                                               sys.executable, script],
-                            cwd=ROOT, env=launcher_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, start_new_session=True)
-    try:
-        seen = {"stdout": b"", "stderr": b""}
-        _read_until(proc, seen, lambda s: b"step 1" in s["stderr"], timeout=120)
+
+    def seen_first(proc, seen):
         assert proc.poll() is None  # the rank is still waiting: shown while it runs
         assert seen["stderr"].endswith(b"[0]<stderr>:step 1"), seen["stderr"][-200:]
-        go_on.touch()
-        _read_until(proc, seen, lambda s: False, timeout=120)
-        code = proc.wait(timeout=60)
-    finally:
-        kill_session(proc.pid)
-        proc.wait()
-        proc.stdout.close()
-        proc.stderr.close()
+
+    code, seen = _run_watching(["-np", "1", "--output-filename", str(logs), sys.executable,
+                                script], launcher_env(), go_on,
+                               lambda s: b"step 1" in s["stderr"], seen_first)
     out, err = seen["stdout"].decode(), seen["stderr"].decode()
     assert code == 0, err
     assert out.count("x") == BIG
@@ -128,7 +140,7 @@ def test_print_without_flush_is_forwarded_while_the_rank_runs(marker, own):
         print("unbuffered=" + repr(os.environ.get("PYTHONUNBUFFERED")))  # no flush
         waited = time.monotonic()
         while not os.path.exists({str(go_on)!r}):  # created once the test saw the line
-            if time.monotonic() - waited > 20:
+            if time.monotonic() - waited > {20 if own is None else 2}:  # buffered: at exit
                 print("the line was not forwarded while the rank ran")
                 sys.exit(3)
             time.sleep(0.05)
@@ -137,20 +149,8 @@ def test_print_without_flush_is_forwarded_while_the_rank_runs(marker, own):
     env.pop("PYTHONUNBUFFERED", None)
     if own is not None:
         env["PYTHONUNBUFFERED"] = own
-    proc = subprocess.Popen(launcher_argv() + ["-np", "1", sys.executable, script], cwd=ROOT,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            start_new_session=True)
-    try:
-        seen = {"stdout": b"", "stderr": b""}
-        _read_until(proc, seen, lambda s: b"unbuffered=" in s["stdout"], timeout=120)
-        go_on.touch()
-        _read_until(proc, seen, lambda s: False, timeout=120)
-        code = proc.wait(timeout=60)
-    finally:
-        kill_session(proc.pid)
-        proc.wait()
-        proc.stdout.close()
-        proc.stderr.close()
+    code, seen = _run_watching(["-np", "1", sys.executable, script], env, go_on,
+                               lambda s: b"unbuffered=" in s["stdout"])
     out = seen["stdout"].decode()
     if own is None:
         assert out == "[0]<stdout>:unbuffered='1'\n", out
