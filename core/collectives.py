@@ -183,7 +183,8 @@ def _copy_back(target: torch.Tensor, what: str) -> Callable[[torch.Tensor], torc
 
 
 def allreduce_entry(tensor, name: str, op=ReduceOp.AVERAGE, prescale_factor=1.0,
-                    postscale_factor=1.0, inplace=False, group="", group_size=0) -> Entry:
+                    postscale_factor=1.0, inplace=False, group="", group_size=0,
+                    layout: str = "") -> Entry:
     reduce_op = check_op(op, "allreduce")
     if not isinstance(tensor, torch.Tensor) or tensor.is_sparse:
         check_tensor(tensor, "allreduce", REDUCIBLE)  # raises, naming what is wrong
@@ -192,7 +193,7 @@ def allreduce_entry(tensor, name: str, op=ReduceOp.AVERAGE, prescale_factor=1.0,
     # stays the same: the collective submitted by the hundred per step (see
     # _ALLREDUCE_REQUESTS). ``terms`` are the inputs it was built from.
     terms = (tensor.dtype, reduce_op, prescale, postscale, group, group_size,
-             True if tensor.is_cpu else tensor.device.type)
+             True if tensor.is_cpu else tensor.device.type, layout)
     known = _ALLREDUCE_REQUESTS.get(name)
     if known is not None and known[1] == terms and known[0].shape == tensor.shape:
         request = known[0]
@@ -204,7 +205,8 @@ def allreduce_entry(tensor, name: str, op=ReduceOp.AVERAGE, prescale_factor=1.0,
                             f"{dtype_name(tensor.dtype)}")
         request = new_request(name, _ALLREDUCE, dtype_name(tensor.dtype), tuple(tensor.shape),
                               "cpu" if tensor.is_cpu else tensor.device.type, reduce_op,
-                              prescale, postscale, group, group_size)
+                              prescale, postscale, group, group_size,
+                              **({"layout": layout} if layout else {}))
         if len(_ALLREDUCE_REQUESTS) >= _ALLREDUCE_REQUESTS_MAX:
             _ALLREDUCE_REQUESTS.clear()
         _ALLREDUCE_REQUESTS[name] = (request, terms)

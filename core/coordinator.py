@@ -107,6 +107,8 @@ def build_response(requests: Sequence[Request], size: int, joined: Iterable[int]
         base.update(splits=tuple(splits))
     if not _same(requests, lambda r: (r.group, r.group_size)):
         return error("the group")
+    if not _same(requests, lambda r: r.layout):
+        return error("the member shapes (the ranks' models differ)")
     return Response(**base)
 
 

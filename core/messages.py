@@ -53,6 +53,10 @@ class Request:
     splits: Optional[Tuple[int, ...]] = None
     group: str = ""
     group_size: int = 0
+    # The shapes of the tensors a fused buffer holds ("8x4,8,4x8,4"), for buffers
+    # built by a front end (DistributedOptimizer's buckets): two ranks whose
+    # buckets hold differently shaped parameters of the same total size differ here.
+    layout: str = ""
     rank: int = 0
 
     def signature(self) -> tuple:
@@ -87,6 +91,9 @@ class Request:
             parts.append(f"splits={list(self.splits)}")
         if self.group:
             parts.append(f"(member of group {self.group!r} of {self.group_size})")
+        if self.layout:
+            shown = self.layout if len(self.layout) <= 300 else self.layout[:300] + "..."
+            parts.append(f"holding {shown}")
         return " ".join(parts)
 
 
@@ -271,4 +278,10 @@ def malformed(request, sender: int, size: int) -> str:
     if not isinstance(fields.get("group"), str) or not _int(fields.get("group_size")) \
             or fields.get("group_size") < 0:
         return f"{what} with group {fields.get('group')!r} of {fields.get('group_size')!r}"
+    layout = fields.get("layout", "")
+    if not isinstance(layout, str) or len(layout) > MAX_LAYOUT_CHARS:
+        return f"{what} with a layout that is not a text of at most {MAX_LAYOUT_CHARS} characters"
     return ""
+
+
+MAX_LAYOUT_CHARS = 1 << 20

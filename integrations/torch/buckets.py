@@ -71,6 +71,9 @@ class Bucket:
         self.index = index
         self.name = name
         self.members = members
+        # The members' shapes, negotiated with the bucket: ranks whose models differ
+        # in shape but not in a bucket's total size are told apart (see Request.layout).
+        self.layout = ",".join("x".join(map(str, p.shape)) or "scalar" for p in members)
         total = sum(p.numel() for p in members)
         self.flat = torch.zeros(total, dtype=members[0].dtype, device=members[0].device)
         self.views = []

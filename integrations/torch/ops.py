@@ -119,12 +119,12 @@ def _allreduce_entries(tensors, name, inplace, op, prescale_factor, postscale_fa
 
 
 def _allreduce_async(tensor, name, inplace, op, prescale_factor, postscale_factor,
-                     process_set) -> Handle:
+                     process_set, layout: str = "") -> Handle:
     # _allreduce_entries and _submit for one tensor, flattened: the call
     # submitted by the hundred per step, where each Python call layer counts.
     if is_compiling():  # see hvdlike.frontend.compile_guard
         return _allreduce_async_outside(tensor, name, inplace, op, prescale_factor,
-                                        postscale_factor, process_set)
+                                        postscale_factor, process_set, layout)
     reduce_op = core.check_op(op, "allreduce")  # before naming, as there
     if type(tensor) is not torch.Tensor or not tensor.is_cpu:
         _check_device(tensor, "allreduce")
@@ -136,13 +136,22 @@ def _allreduce_async(tensor, name, inplace, op, prescale_factor, postscale_facto
     else:
         name = _name(name, "allreduce", process_set)
     entry = core.allreduce_entry(tensor, name, reduce_op, prescale_factor, postscale_factor,
-                                 inplace)
+                                 inplace, layout=layout)
     if process_set is global_process_set:
         return _submit_one(entry, "hvdlike.torch")
     return submit([entry], process_set, "hvdlike.torch")[0]
 
 
 _allreduce_async_outside = outside(_allreduce_async)
+
+
+def fused_allreduce_async_(tensor, name, op, prescale_factor, postscale_factor, process_set,
+                           layout: str) -> Handle:
+    """:func:`allreduce_async_` of a buffer that fuses tensors of the shapes ``layout``
+    names (``DistributedOptimizer``'s buckets): ranks whose buffers fuse other
+    shapes fail with a ``MismatchError``, even where the total sizes agree."""
+    return _allreduce_async(tensor, name, True, op, prescale_factor, postscale_factor,
+                            process_set, layout)
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,

@@ -277,10 +277,9 @@ class _Distributed:
         # change the gradients before step(); checked when the results come back.
         bucket.early = not self._hvd_syncing
         compressed, ctx = self._hvd_compression.compress(bucket.flat)
-        handle = ops.allreduce_async_(compressed, name=bucket.name, op=self._hvd_op,
-                                      prescale_factor=self._hvd_prescale,
-                                      postscale_factor=self._hvd_postscale,
-                                      process_set=self._hvd_process_set)
+        handle = ops.fused_allreduce_async_(compressed, bucket.name, self._hvd_op,
+                                            self._hvd_prescale, self._hvd_postscale,
+                                            self._hvd_process_set, bucket.layout)
         self._hvd_handles[("bucket", bucket.index)] = ("bucket", handle, compressed,
                                                        (bucket, ctx))
 

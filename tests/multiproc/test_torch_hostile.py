@@ -470,3 +470,48 @@ def test_broadcast_parameters_with_different_names_fails_on_every_rank_naming_th
                            "lacks '0.bias'; pass the same model's parameters on every rank"), \
             outcome
         assert same
+
+
+def _models_that_differ(kind):
+    import torch
+    from torch import nn
+
+    import hvdlike.torch as hvd
+
+    torch.set_num_threads(1)
+    hvd.init()
+    r = hvd.rank()
+    if kind == "transposed":  # the same number of elements: the bucket's length agrees
+        model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4)) if r == 0 else \
+            nn.Sequential(nn.Linear(8, 4), nn.Linear(4, 8))
+    else:  # one layer one row wider on rank 1: the lengths differ too
+        model = nn.Sequential(nn.Linear(4, 8 + r), nn.Linear(8 + r, 4))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    model(torch.ones(2, model[0].in_features)).sum().backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    try:
+        opt.step()
+        outcome = "stepped"
+    except hvd.HorovodInternalError as exc:
+        outcome = f"{type(exc).__name__}: {exc}"
+    unchanged = all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    hvd.shutdown()
+    return outcome, unchanged
+
+
+def test_ranks_whose_models_differ_in_shape_fail_their_step_showing_the_shapes():
+    # The transposed pair used to train silently on mismatched tensors: a bucket
+    # was negotiated by its flat length alone.
+    for kind, disagree, shapes in (
+            ("transposed", "the member shapes (the ranks' models differ)",
+             ("average holding 4,4x8,8,8x4", "average holding 8,8x4,4,4x8")),
+            ("wider", "the shape", ("allreduce float32 76 cpu average holding 4,4x8,8,8x4",
+                                    "allreduce float32 85 cpu average holding 4,4x9,9,9x4"))):
+        for outcome, unchanged in run_ranks(_models_that_differ, np=2, args=(kind,),
+                                            timeout=90):
+            assert outcome.startswith(f"MismatchError: ranks disagree on {disagree} of "
+                                      "collective 'allreduce.DistributedOptimizer.bucket."), outcome
+            assert "rank 0: allreduce float32" in outcome and shapes[0] in outcome, outcome
+            assert shapes[1] in outcome, outcome
+            assert unchanged

@@ -144,3 +144,16 @@ def test_disabled_cache_stores_nothing():
     a = _req("a", 0)
     assert cache.put(build_response([a], 1), a) == []
     assert cache.lookup(a)[0] is Lookup.MISS
+
+
+def test_fused_buffers_of_other_member_shapes_are_a_mismatch_even_of_one_length():
+    from hvdlike.core.messages import new_request
+
+    reqs = [new_request("b", OpType.ALLREDUCE, "float32", (76,), "cpu", layout=layout)
+            .with_rank(r) for r, layout in enumerate(("4,4x8,8,8x4", "8,8x4,4,4x8"))]
+    resp = build_response(reqs, 2)
+    assert resp.error.startswith("ranks disagree on the member shapes (the ranks' models "
+                                 "differ) of collective 'b'")
+    assert "rank 1: allreduce float32 76 cpu sum holding 8,8x4,4,4x8" in resp.error
+    same = [r.__class__(**{**r.__dict__, "layout": "4,4x8,8,8x4"}) for r in reqs]
+    assert not build_response(same, 2).error

@@ -63,6 +63,8 @@ def _lie(**fields):
     ({"prescale": "2"}, "with scale factors '2', 1.0"),
     ({"group_size": -1}, "with group '' of -1"),
     ({"name": 5}, "a request whose name is 5"),
+    ({"layout": 7}, "with a layout that is not a text of at most 1048576 characters"),
+    ({"layout": "4," * (1 << 19) + "4"}, "with a layout that is not a text of at most"),
 ])
 def test_each_impossible_field_is_named(fields, said):
     assert said in malformed(_lie(**{"rank": 1, **fields}), 1, 2)
