@@ -556,7 +556,7 @@ class _Distributed:
                 warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
                               "context after optimizer.synchronize(): the second "
                               "synchronization is a no-op; wrap step() in "
-                              "skip_synchronize() to say so", stacklevel=2)
+                              "skip_synchronize() to say so", stacklevel=_user_stacklevel())
             elif self._hvd_open() and _unscaled_by_grad_scaler(self):
                 self._hvd_unscaled_first()
             if closure is None or self._hvd_open():
@@ -566,7 +566,7 @@ class _Distributed:
         elif self._hvd_open():
             warnings.warn("DistributedOptimizer.step() inside skip_synchronize() after a "
                           "backward pass that was not synchronized: call synchronize() first "
-                          "or the ranks' gradients differ", stacklevel=2)
+                          "or the ranks' gradients differ", stacklevel=_user_stacklevel())
         if closure is not None:
             user_closure = closure
 

@@ -655,3 +655,21 @@ def test_plain_grad_scaler_step_of_a_fused_optimizer_is_refused(overlap, monkeyp
         scaler.step(opt)
     scaler.update()
     assert not all(torch.equal(p, b) for p, b in zip(m.parameters(), before))
+
+
+def test_step_warnings_name_the_users_line_not_hvdlikes():
+    # Both warnings of step() were attributed to the collectives' compile guard.
+    m = _model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                   named_parameters=m.named_parameters())
+    _loss(m).backward()
+    opt.synchronize()
+    with pytest.warns(UserWarning, match="second synchronization is a no-op") as rec:
+        opt.step()
+    assert rec[0].filename == __file__
+    opt.zero_grad()
+    _loss(m).backward()
+    with pytest.warns(UserWarning, match="backward pass that was not synchronized") as rec:
+        with opt.skip_synchronize():
+            opt.step()
+    assert rec[0].filename == __file__
