@@ -65,6 +65,29 @@ def _slots(text: str, where: str) -> int:
     return int(text)
 
 
+def _bare_ipv6(token: str) -> Optional[str]:
+    """``token`` (``[user@]address``) when its address is a bare IPv6 one, else None."""
+    user, at, name = token.rpartition("@")
+    if name.count(":") < 2:
+        return None
+    try:
+        ipaddress.IPv6Address(name)
+    except ValueError:
+        return None
+    return token
+
+
+def _ipv6_hint(token: str) -> str:
+    """What to write instead of a bare IPv6 address followed by ``:slots``, if it is one."""
+    user, at, name = token.rpartition("@")
+    address, _, slots = name.rpartition(":")
+    if address.count(":") >= 2 and _bare_ipv6(address) and slots.isdigit():
+        return f" (an IPv6 address goes in brackets: {user}{at}[{address}]:{slots})"
+    if _bare_ipv6(token):
+        return f" (an IPv6 address goes in brackets: {user}{at}[{name}])"
+    return ""
+
+
 def _strip_brackets(host: str) -> str:
     return host[1:-1] if host.startswith("[") else host
 
@@ -132,12 +155,11 @@ def parse_hosts(text: str) -> List[HostSlots]:
     for entry in text.split(","):
         entry = entry.strip()
         match = _HOST_SPEC.match(entry)
-        if not match:
-            raise LaunchError(
-                f"-H/--hosts entry {_clip(entry)} is not valid: expected host or host:slots"
-            )
-        host, slots = match.group(1), match.group(2)
         where = f"-H/--hosts entry {_clip(entry)}"
+        if not match or _ipv6_hint(entry):
+            raise LaunchError(f"{where} is not valid: expected host or host:slots"
+                              f"{_ipv6_hint(entry)}")
+        host, slots = match.group(1), match.group(2)
         result.append(HostSlots(_checked_host(host, where),
                                 1 if slots is None else _slots(slots, where)))
     return no_repeats(result, "-H/--hosts")
@@ -158,10 +180,22 @@ def parse_hostfile(text: str, name: str = "hostfile") -> List[HostSlots]:
             continue
         where = f"{name} line {number} ({_clip(line)})"
         tokens = line.split()
-        match = _HOST_SPEC.match(tokens[0])
-        if match is None:
-            raise LaunchError(f"{where} is not valid: expected 'host slots=N'")
-        host, slots_text = match.groups()
+        bare = _bare_ipv6(tokens[0])
+        if bare is not None:
+            # A bare IPv6 address takes its slots from slots= only; one that could
+            # also be read as an address and ':slots' is refused as ambiguous.
+            user, at, name = bare.rpartition("@")
+            address, _, tail = name.rpartition(":")
+            if tail.isdigit() and _bare_ipv6(address):
+                raise LaunchError(f"{where} is ambiguous: write {user}{at}[{name}] for the "
+                                  f"address, or {user}{at}[{address}]:{tail} for its slots")
+            host, slots_text = f"{user}{at}[{name}]", None
+        else:
+            match = _HOST_SPEC.match(tokens[0])
+            if match is None:
+                raise LaunchError(f"{where} is not valid: expected 'host slots=N'"
+                                  f"{_ipv6_hint(tokens[0])}")
+            host, slots_text = match.groups()
         slots = 1 if slots_text is None else _slots(slots_text, where)
         given = set() if slots_text is None else {"slots"}
         for token in tokens[1:]:

@@ -85,6 +85,38 @@ def check_output_files(output_dir: str, rank: int, size: Optional[int] = None) -
             from None
 
 
+def check_output_unmade(output_dir: str, np: int, padded: bool = True) -> None:
+    """What a dry run checks of ``--output-filename`` without creating anything: the
+    nearest existing folder on the way (a file there, a link another user controls),
+    and any ``rank.N`` folder (``padded`` as :func:`~.monitor.rank_folder` pads it)
+    and output file of ``np`` ranks already there, as :func:`check_output_files`
+    would find them."""
+    from hvdlike.core.output_file import UnsafeOutputPath, open_output_file, output_folder
+
+    try:
+        existing = output_dir
+        while existing and not os.path.lexists(existing):
+            existing = os.path.dirname(existing.rstrip(os.sep))
+        output_folder(existing or ".")
+        if existing != output_dir:
+            return
+        for rank in range(np):
+            folder = os.path.join(output_dir, rank_folder(rank, np if padded else None))
+            if not os.path.lexists(folder):
+                continue
+            output_folder(folder, own_names=1)
+            for stream in ("stdout", "stderr"):
+                name = os.path.join(folder, stream)
+                if os.path.lexists(name):
+                    os.close(open_output_file(name, truncate=False, create=False, own_names=2))
+    except UnsafeOutputPath as exc:
+        raise LaunchError(f"--output-filename {output_dir}: {exc}") from None
+    except OSError as exc:
+        where = f" ({exc.filename})" if exc.filename else ""
+        raise LaunchError(f"--output-filename {output_dir}: {exc.strerror or exc}{where}") \
+            from None
+
+
 def check_writable_file(path: str, cwd: str, what: str) -> None:
     """Fail early, in one line, when a rank on this machine could not create ``path``."""
     from hvdlike.core.output_file import UnsafeOutputPath, output_folder
@@ -198,6 +230,8 @@ class Job:
             # ssh would go on without it and fail later on a password prompt it cannot show
             raise LaunchError(f"-i/--ssh-identity-file {key}: no such file")
         check_interfaces(interfaces_of(cfg))
+        if cfg.output_dir and cfg.dry_run:  # a real start creates and checks them
+            check_output_unmade(cfg.output_dir, len(self.placements))
         self.note_thread_affinity()
 
     def note_thread_affinity(self) -> None:

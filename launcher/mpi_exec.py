@@ -207,7 +207,11 @@ def run_with_mpirun(config: LaunchConfig, np: int, dry_run: bool = False,
                          "whose own option lays files out differently; pass it in --mpi-args "
                          "(--mpi-args=\"--output-filename DIR\")\n")
         output_dir = None
-    elif output_dir and not dry_run:
+    elif output_dir and dry_run:
+        from .job import check_output_unmade
+
+        check_output_unmade(output_dir, np, padded=False)  # MPICH's folders
+    elif output_dir:
         sys.stderr.write(f"hvdlike-run: under MPICH's mpirun the ranks' output goes to "
                          f"{output_dir}/rank.N/stdout and stderr only\n")
         # Folders made and files checked as without --mpi (no link another user

@@ -76,6 +76,25 @@ def test_host_names_a_resolver_or_ssh_would_fail_on_are_named(entry, needle):
                                                          HostSlots("h-1.example", 1)]
 
 
+def test_bare_ipv6_addresses_in_a_hostfile_and_clear_errors_for_them_in_dash_h():
+    # A hostfile gives slots with slots=, so a bare address is unambiguous...
+    assert parse_hostfile("::1 slots=2\nfe80::abcd\nu@2001:db8::7 slots=3\n") == [
+        HostSlots("::1", 2), HostSlots("fe80::abcd", 1), HostSlots("u@[2001:db8::7]", 3)]
+    assert parse_hostfile("[::1] slots=2") == parse_hostfile("::1 slots=2")
+    # ...unless its last group could be ':slots'.
+    with pytest.raises(LaunchError, match=r"line 1 .*ambiguous: write \[fe80::1:4\] for the "
+                                          r"address, or \[fe80::1\]:4 for its slots"):
+        parse_hostfile("fe80::1:4")
+    with pytest.raises(LaunchError, match="cannot start with '-'"):
+        parse_hostfile("-oX@::1 slots=1")
+    # -H separates slots with ':': a bare address is refused with the bracketed spelling.
+    with pytest.raises(LaunchError, match=r"goes in brackets: \[fe80::1\]:4\)"):
+        parse_hosts("fe80::1:4")
+    with pytest.raises(LaunchError, match=r"goes in brackets: u@\[fe80::1\]\)"):
+        parse_hosts("u@fe80::1")
+    assert parse_hosts("[fe80::1]:4") == [HostSlots("fe80::1", 4)]
+
+
 def test_hostfile_that_is_no_regular_file_or_too_large_is_refused_unopened(tmp_path):
     import os
     fifo = tmp_path / "fifo"

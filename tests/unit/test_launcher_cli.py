@@ -355,6 +355,24 @@ def test_a_dry_run_of_a_good_job_prints_it(capsys):
     assert "rank 1 on localhost" in out and "HVDLIKE_GLOO_IFACE=lo" in out
 
 
+@pytest.mark.parametrize("launch", [[], ["--mpi"], ["--min-np", "1", "-H", "localhost:2"]],
+                         ids=["gloo", "mpi", "elastic"])
+def test_a_dry_run_checks_the_output_folder_without_making_it(launch, tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "out" / "rank.1").mkdir(parents=True)
+    os.symlink("/etc/passwd", tmp_path / "out" / "rank.1" / "stderr")
+    for given, needle in [(tmp_path / "file" / "logs", "Not a directory"),
+                          (tmp_path / "out", "is a symbolic link; refusing to follow it")]:
+        argv = ["--dry-run", *launch, "-np", "2", "--output-filename", str(given), "true"]
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"hvdlike-run: error: --output-filename {given}: ") and needle in err
+    fresh = tmp_path / "new" / "logs"
+    assert cli.main(["--dry-run", *launch, "-np", "2", "--output-filename", str(fresh),
+                     "true"]) == 0
+    assert not (tmp_path / "new").exists()  # a dry run creates nothing
+
+
 def test_a_discovery_script_that_is_a_directory_is_named_as_one(tmp_path):
     with pytest.raises(LaunchError, match=r"^--host-discovery-script .*: is a directory, not an "
                                           r"executable script$"):
