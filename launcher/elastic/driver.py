@@ -133,7 +133,6 @@ class ElasticDriver:
         self._arrivals_checked = float("-inf")
         self._arrived: set = set()  # workers seen announced in some generation
         self._dropped: set = set()  # workers stopped for not arriving
-        self._dropped_slots: set = set()  # their slots, on hosts that stay in use
         self._late_noted: set = set()  # (generation, worker) reported but kept
         self._tamper_noted: set = set()  # generations with a forged record, said once
 
@@ -398,8 +397,9 @@ class ElasticDriver:
         reason = f"did not arrive for generation {number} within {report.seconds:g}s"
         self.result.lost.append(Lost(worker.rank, member.worker, host, reason, number))
         if host in arrived_hosts:
-            self._dropped_slots.add(member.slot)
-            what = f"its slot dropped (host {host} stays: members that arrived run there)"
+            until = self.table.drop_slot(member.slot, host, now)
+            back = "" if until is None else f" for {until - now:.0f}s"
+            what = f"its slot dropped{back} (host {host} stays: members that arrived run there)"
         elif host in blacklisted:
             what = f"host {host} blacklisted"
         else:
@@ -425,7 +425,7 @@ class ElasticDriver:
     def _hosts_matter(self) -> bool:
         """Whether the new host list calls for a re-form."""
         now = self.clock()
-        usable = set(usable_slots(self.table.available(now))) - self._dropped_slots
+        usable = set(usable_slots(self.table.available(now))) - self.table.dropped_slots(now)
         if any(m.slot not in usable for m in self.members):
             return True
         return len(self.members) < self.settings.max_np and len(usable) > len(self.members)
@@ -448,8 +448,9 @@ class ElasticDriver:
     def _usable_members(self) -> List[Member]:
         """What a re-form would give now (for messages; starts nothing)."""
         placeholder_ids = itertools.repeat("new")
-        return assign(self._survivors(), self.table.available(self.clock()),
-                      self.settings.max_np, placeholder_ids, self._dropped_slots)
+        now = self.clock()
+        return assign(self._survivors(), self.table.available(now),
+                      self.settings.max_np, placeholder_ids, self.table.dropped_slots(now))
 
     def _survivors(self):
         """``(worker, slot)`` of the current members still running and not dropped."""
@@ -460,7 +461,7 @@ class ElasticDriver:
         now = self.clock()
         target = self.settings.np if self.generation == 0 else self.settings.max_np
         members = assign(self._survivors(), self.table.available(now), target, self._ids,
-                         self._dropped_slots)
+                         self.table.dropped_slots(now))
         if len(members) < self.settings.min_np:
             if self._below_since is None:
                 self._below_since = now

@@ -4,14 +4,17 @@ A host on which a rank failed is blacklisted. Without a cooldown range it stays
 out for the rest of the job; with ``--blacklist-cooldown-range LO HI`` it
 returns after a random delay drawn from [LO, HI] seconds, doubled for each
 earlier failure of the same host (capped at 2**5 times), so a flapping host is
-tried less and less often. Pure bookkeeping: the clock and the random draw are
-passed in.
+tried less and less often. A slot dropped on a host that stays in use (a process
+there never arrived while others on the host did) is kept out the same way: for
+the rest of the job, or under a cooldown range for a delay drawn like a host's
+(doubled for each earlier drop on that host). Pure bookkeeping: the clock and the
+random draw are passed in.
 """
 
 from __future__ import annotations
 
 import random
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, Hashable, List, Optional, Set, Tuple
 
 from ..hosts import HostSlots
 
@@ -28,6 +31,8 @@ class HostTable:
         self.discovered: List[HostSlots] = []
         self._until: Dict[str, Optional[float]] = {}  # host -> back at (None: never)
         self._failures: Dict[str, int] = {}
+        self._slots_until: Dict[Hashable, Optional[float]] = {}  # slot -> back at
+        self._slot_drops: Dict[str, int] = {}  # host -> slots dropped there so far
 
     def update(self, hosts: List[HostSlots]) -> bool:
         """Take a new discovery result; True when it differs from the previous one."""
@@ -35,16 +40,32 @@ class HostTable:
         self.discovered = list(hosts)
         return changed
 
+    def _back_at(self, count: int, now: float) -> Optional[float]:
+        if self.cooldown_range is None:
+            return None
+        lo, hi = self.cooldown_range
+        return now + self._draw(lo, hi) * 2 ** min(count, _MAX_DOUBLINGS)
+
     def blacklist(self, host: str, now: float) -> Optional[float]:
         """Keep ``host`` out; return when it may come back (None: never)."""
         count = self._failures.get(host, 0)
         self._failures[host] = count + 1
-        if self.cooldown_range is None:
-            self._until[host] = None
-        else:
-            lo, hi = self.cooldown_range
-            self._until[host] = now + self._draw(lo, hi) * 2 ** min(count, _MAX_DOUBLINGS)
+        self._until[host] = self._back_at(count, now)
         return self._until[host]
+
+    def drop_slot(self, slot, host: str, now: float) -> Optional[float]:
+        """Keep ``slot`` (of ``host``) out; return when it may come back (None: never)."""
+        count = self._slot_drops.get(host, 0)
+        self._slot_drops[host] = count + 1
+        self._slots_until[slot] = self._back_at(count, now)
+        return self._slots_until[slot]
+
+    def dropped_slots(self, now: float) -> Set:
+        """The slots kept out at ``now`` (those whose cooldown ended are forgotten)."""
+        for slot, until in list(self._slots_until.items()):
+            if until is not None and now >= until:
+                del self._slots_until[slot]
+        return set(self._slots_until)
 
     def blacklisted(self, host: str, now: float) -> bool:
         if host not in self._until:
