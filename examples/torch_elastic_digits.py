@@ -1,4 +1,4 @@
-"""Elastic training of the digits classifier: ranks may die or join mid-run.
+r"""Elastic training of the digits classifier: ranks may die or join mid-run.
 
 Run elastically (2 to 4 ranks on this machine; see docs/elastic.md)::
 
