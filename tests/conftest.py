@@ -1,5 +1,8 @@
 import os
+import re
 import sys
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -26,16 +29,44 @@ def pytest_configure(config):
         signal.signal(signal.SIGTERM, interrupt)
 
 
-def pytest_collection_modifyitems(config, items):
-    """Under ``pytest -n N --dist loadgroup`` (the README's command), keep each
-    test file on one worker, so its module-scoped fixtures (a jax job, the
-    Slurm cluster) run once, and every Ray test on the same worker, since they
-    share one local Ray cluster per test package."""
-    import pytest
+_SHARED_SCOPE = re.compile(r"scope=[\"'](module|package)[\"']")
 
+
+def _keeps_its_worker(path: str, sources: dict) -> bool:
+    """Whether the tests of ``path`` must share one worker.
+
+    True for a file that defines a module- or package-scoped fixture (a jax
+    job, the one-host Slurm cluster: set up once, and the cluster cannot run
+    twice at a time) and for every Ray test (one local Ray cluster per test
+    package). Other files' tests spread over the workers one by one, so a long
+    file does not become one worker's long tail.
+    """
+    if "/ray/" in path or "ray" in path.rsplit("/", 1)[-1]:
+        return True
+    if path not in sources:
+        try:
+            with open(os.path.join(ROOT, path)) as handle:
+                sources[path] = bool(_SHARED_SCOPE.search(handle.read()))
+        except OSError:
+            sources[path] = True
+    return sources[path]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Under ``pytest -n N --dist loadgroup`` (the README's command), keep the
+    tests that share an expensive or exclusive fixture on one worker
+    (``_keeps_its_worker``); the rest are handed out test by test.
+
+    Runs before xdist's own hook of the same name, which reads the groups
+    (as a suffix of each test's id) on the workers: marked after it, they
+    would be ignored.
+    """
     if not config.pluginmanager.hasplugin("xdist"):
         return
+    sources: dict = {}
     for item in items:
         path = item.nodeid.split("::", 1)[0]
-        group = "ray" if "/ray/" in path or "ray" in path.rsplit("/", 1)[-1] else path
-        item.add_marker(pytest.mark.xdist_group(group))
+        if _keeps_its_worker(path, sources):
+            group = "ray" if "/ray/" in path or "ray" in path.rsplit("/", 1)[-1] else path
+            item.add_marker(pytest.mark.xdist_group(group))
