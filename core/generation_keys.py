@@ -54,6 +54,11 @@ class KeyLog(dist.Store):
         """The connection this log writes through."""
         return self._inner
 
+    @property
+    def prefix(self) -> str:
+        """The generation's prefix, which every recorded key starts with."""
+        return self._prefix
+
     def written(self) -> List[str]:
         with self._lock:
             return sorted(self._keys)
@@ -67,6 +72,23 @@ class KeyLog(dist.Store):
                 self._keys.add(self._publish)
                 self._inner.set(self._publish, json.dumps(sorted(self._keys)))
         return full
+
+    def note(self, key: str) -> None:
+        """Record ``key`` (below the prefix), written through another connection
+        of the same store: it is deleted with the keys written here."""
+        self._note(key)
+
+    def take(self, part: str) -> List[str]:
+        """Stop recording the keys written under ``part`` (a path below the
+        prefix, such as a removed process set's ``ps<id>/``) and return them:
+        whoever takes them deletes them (see :func:`forget_part`)."""
+        start = self._prefix + part
+        with self._lock:
+            taken = sorted(key for key in self._keys if key.startswith(start))
+            self._keys.difference_update(taken)
+            if taken and self._publish:
+                self._inner.set(self._publish, json.dumps(sorted(self._keys)))
+        return taken
 
     def set(self, key: str, value) -> None:
         self._inner.set(self._note(key), value)
@@ -153,6 +175,32 @@ def forget(store, prefix: str, logs: List[KeyLog], rank: int, size: int) -> bool
         store.delete_key(key)
     store.delete_key(counter)  # last: gone, it says this rank is done with the store
     return True
+
+
+class _Taken:
+    """Keys taken out of a :class:`KeyLog`, shown to :func:`forget` as a log."""
+
+    def __init__(self, keys: List[str]):
+        self._keys = keys
+
+    def written(self) -> List[str]:
+        return list(self._keys)
+
+
+def forget_part(log: KeyLog, part: str, rank: int, size: int) -> bool:
+    """:func:`forget` for one part of a generation that ends before it does: the
+    keys written under ``part`` (see :meth:`KeyLog.take`) by its ``size``
+    members, ``rank`` being this one's number among them.
+
+    A process set added and removed many times would otherwise leave its
+    rendezvous and shared-memory records in the store until the runtime
+    closes. Call once per member, after it stopped using the part (the set's
+    groups are closed); the last member to do so deletes every member's keys.
+
+    Returns:
+        True on the member that deleted the keys.
+    """
+    return forget(log.inner, log.prefix + part, [_Taken(log.take(part))], rank, size)
 
 
 def wait_closed(store, prefix: str, seconds: float, poll: float = 0.02) -> bool:

@@ -31,7 +31,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, NoReturn, Optional, Sequence, Tuple
 
-from . import process_sets
+from . import generation_keys, process_sets
 from .collectives import allgather_entry, barrier_entry
 from .errors import HvdlikeError, HvdlikeInternalError
 from .log import logger
@@ -144,10 +144,13 @@ class ProcessSetRegistry:
             collectives run on the global set).
         wait: the runtime's ``wait(handle)``.
         alive_error: the runtime's ``alive_error()``.
+        removed: told the id of each set removed (on every rank, on the
+            background thread): what the runtime keeps per set goes with it.
     """
 
     def __init__(self, size: int, parts: SetParts, submit: Callable, wait: Callable,
-                 alive_error: Callable[[], Optional[BaseException]]):
+                 alive_error: Callable[[], Optional[BaseException]],
+                 removed: Callable[[int], None] = lambda set_id: None):
         process_sets.open_registrations()  # ids given from now on are this runtime's
         self.rank = parts.rank
         self.size = size
@@ -155,6 +158,7 @@ class ProcessSetRegistry:
         self._submit = submit
         self._wait = wait
         self._alive_error = alive_error
+        self._removed = removed
         self.ranks: Dict[int, List[int]] = {}
         self.states: Dict[int, ProcessSetState] = {}
         # The user's objects of every registered set but the global one: an
@@ -270,6 +274,7 @@ class ProcessSetRegistry:
     def _uninstall(self, set_id: int) -> None:
         """Retire a set on the background thread: fail what is pending, free its groups."""
         self.ranks = {k: v for k, v in self.ranks.items() if k != set_id}
+        self._removed(set_id)
         state = self.states.get(set_id)
         if state is None:
             return
@@ -278,6 +283,17 @@ class ProcessSetRegistry:
             f"process set {set_id} was removed before this collective completed")
         self.fail_pending(state, reason)
         state.close(0)
+        self._forget_keys(state)
+
+    def _forget_keys(self, state: ProcessSetState) -> None:
+        """Delete a removed set's store records (its groups' rendezvous, its
+        shared-memory names) once every member has closed it: a set added and
+        removed again and again would pile them up in the job's store."""
+        try:
+            generation_keys.forget_part(self.parts.store, f"ps{state.id}/", state.rank,
+                                        state.size)
+        except Exception as exc:  # the store went away with the job: nothing to keep tidy
+            logger.debug("keys of process set %d left in the store: %s", state.id, exc)
 
     def fail_pending(self, state: ProcessSetState, reason: BaseException) -> None:
         """Let ``state``'s launched work finish, then fail everything still pending."""

@@ -133,6 +133,9 @@ class Runtime:
         self.shm = None  # shm_plane.Settings when ranks of this host may share memory
         self.job_store: Optional[JobStore] = None
         self.world_tag = ""  # init(comm=[ranks]) outside mpirun: that list's key namespace
+        # Keys narrowing to that list wrote under this generation's prefix (its
+        # own connection): deleted with the keys the runtime writes itself.
+        self.world_keys: List[str] = []
         self.affinity_core: Optional[int] = None  # HVDLIKE_THREAD_AFFINITY's core for this rank
         self.store_prefix = f"gen{generation}/"
         self.store = None  # the generation's keys, written through a KeyLog
@@ -187,7 +190,7 @@ class Runtime:
         enter_generation(environ)  # elastic jobs: all members present (may move it on)
         cfg = config_mod.load(environ, **overrides)
         topology, rendezvous = bootstrap.detect(environ, cfg.start_timeout, world)
-        job_store, world_tag = None, ""
+        job_store, world_tag, world_keys = None, "", []
         if world is not None and rendezvous.mpi_comm is None:
             # Not narrowed by an MPI bootstrap: renumber through the job's store.
             if world.comm is not None:
@@ -197,6 +200,7 @@ class Runtime:
             if world.ranks != list(range(topology.size)):
                 job_store = JobStore(topology, rendezvous, cfg.start_timeout)
                 job_store.keep_server = True
+                launched = topology.rank
                 try:
                     topology = world_mod.narrow(job_store.connect(), world, topology,
                                                 generation, cfg.start_timeout)
@@ -204,12 +208,14 @@ class Runtime:
                     job_store.close()
                     raise
                 world_tag = world.tag()
+                world_keys = [world_mod.host_record(launched)]
         configure_logging(cfg.log_level_number, topology.rank, cfg.log_hide_time)
         core = affinity_core(cfg.thread_affinity, topology)
         runtime = cls(cfg, topology, rendezvous, generation)
         runtime.affinity_core = core
         runtime.overrides = dict(overrides)
         runtime.job_store, runtime.world_tag = job_store, world_tag
+        runtime.world_keys = world_keys
         try:
             runtime._wire(environ, list(process_sets or ()), carried)
         except BaseException:
@@ -235,6 +241,8 @@ class Runtime:
 
         self.job_store.generation_key = generation_key(environ)  # elastic: this generation's
         self.store = self._logged_store()
+        for key in self.world_keys:
+            self.store.note(key)
         agreement.check(self.store, self.store_prefix, topology.rank, topology.size, cfg,
                         cfg.start_timeout, self._watch_peers(), lambda: self.fatal)
         if (rendezvous.launcher == "torchrun" and not narrowed
@@ -262,7 +270,7 @@ class Runtime:
                          self.mpi_world, self.shm, self.hooks, self.settings, self.recording,
                          lambda: self.fatal, self._watch_peers, host)
         self.sets = ProcessSetRegistry(topology.size, parts, self.submit, self.wait,
-                                       self.alive_error)
+                                       self.alive_error, self._forget_set)
         try:
             self.sets.register_global()
             if not narrowed:  # other lists' ranks may not have read a shared secret yet
@@ -550,6 +558,15 @@ class Runtime:
         """Names for unnamed collectives: per-(set, op) counters agree across members."""
         key = op if set_id == 0 else f"{op}.ps{set_id}"
         return f"{key}.noname.{self.counter(key)}"
+
+    def _forget_set(self, set_id: int) -> None:
+        """A process set was removed: the counters of its automatic names go with it
+        (a runtime never gives its id again), or sets added and removed again
+        and again would each leave theirs behind."""
+        suffix = f".ps{set_id}"
+        with self._counter_lock:
+            self._counters = {kind: n for kind, n in self._counters.items()
+                              if not kind.endswith(suffix)}
 
     def process_set(self, set_id: int) -> ProcessSetState:
         """The state of a set this rank belongs to (ValueError if none, see the registry)."""

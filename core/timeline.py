@@ -125,7 +125,8 @@ class Timeline:
     # -- writing ---------------------------------------------------------------------
 
     def _emit(self, event: dict) -> None:
-        self._queue.put(event)
+        if not self.truncated:  # once the file is full nothing more is written
+            self._queue.put(event)
 
     def _meta(self, pid: int, name: str, args: dict) -> None:
         self._emit({"name": name, "ph": "M", "pid": pid, "tid": 0, "ts": 0, "args": args})
@@ -185,6 +186,10 @@ class Timeline:
         with self._lock:
             pid = self._rows.get(name)
             if pid is None:
+                if self.truncated:
+                    # The file is full: no new row is written, so none is kept (a
+                    # name per step would otherwise grow this table for good).
+                    return 0
                 pid = self._rows[name] = len(self._rows) + 1
                 new = True
             else:

@@ -101,6 +101,13 @@ def _choice_key(rank: int) -> str:
     return f"world-choice/{rank}"
 
 
+def host_record(rank: int) -> str:
+    """The key, below the runtime's generation prefix, of launched rank ``rank``'s
+    host record (written by :func:`narrow`; the runtime deletes it with the
+    generation's other keys)."""
+    return f"host/{rank}"
+
+
 def narrow(store, world: World, launched: Topology, generation: int,
            timeout_seconds: float) -> Topology:
     """This process's topology among ``world.ranks`` (collective over those ranks).
@@ -118,7 +125,7 @@ def narrow(store, world: World, launched: Topology, generation: int,
     ranks = world.ranks
     tag = f"{world.tag()}gen{generation}/"
     record = json.dumps({"host": launched.hostname, "ranks": ranks})
-    store.set(f"{tag}host/{launched.rank}", record)
+    store.set(tag + host_record(launched.rank), record)
     store.set(_choice_key(launched.rank), json.dumps({"generation": generation,
                                                       "ranks": ranks}))
 
@@ -134,10 +141,10 @@ def narrow(store, world: World, launched: Topology, generation: int,
         return ""
 
     others = [r for r in ranks if r != launched.rank]
-    store_wait.await_keys(store, [f"{tag}host/{r}" for r in others], others,
+    store_wait.await_keys(store, [tag + host_record(r) for r in others], others,
                           timeout_seconds, lambda: None, elsewhere,
                           f"the runtime of ranks {ranks} (init(comm=...))")
-    records = {r: json.loads(store.get(f"{tag}host/{r}")) for r in others}
+    records = {r: json.loads(store.get(tag + host_record(r))) for r in others}
     for r in others:
         if records[r]["ranks"] != ranks:
             raise ValueError(f"init: rank {r} called init(comm={records[r]['ranks']}), this rank "
