@@ -81,11 +81,14 @@ def _ipv6_hint(token: str) -> str:
     """What to write instead of a bare IPv6 address followed by ``:slots``, if it is one."""
     user, at, name = token.rpartition("@")
     address, _, slots = name.rpartition(":")
-    if address.count(":") >= 2 and _bare_ipv6(address) and slots.isdigit():
-        return f" (an IPv6 address goes in brackets: {user}{at}[{address}]:{slots})"
+    spellings = []
     if _bare_ipv6(token):
-        return f" (an IPv6 address goes in brackets: {user}{at}[{name}])"
-    return ""
+        spellings.append(f"{user}{at}[{name}]")
+    if slots.isdigit() and _bare_ipv6(address):
+        spellings.append(f"{user}{at}[{address}]:{slots}")
+    if not spellings:
+        return ""
+    return f" (an IPv6 address goes in brackets: {' or '.join(spellings)})"
 
 
 def _strip_brackets(host: str) -> str:
@@ -182,11 +185,12 @@ def parse_hostfile(text: str, name: str = "hostfile") -> List[HostSlots]:
         tokens = line.split()
         bare = _bare_ipv6(tokens[0])
         if bare is not None:
-            # A bare IPv6 address takes its slots from slots= only; one that could
-            # also be read as an address and ':slots' is refused as ambiguous.
+            # A bare IPv6 address takes its slots from slots= only; without one,
+            # an address that could also be read as address:slots is ambiguous.
             user, at, name = bare.rpartition("@")
             address, _, tail = name.rpartition(":")
-            if tail.isdigit() and _bare_ipv6(address):
+            given = any(t.startswith("slots=") for t in tokens[1:])
+            if tail.isdigit() and _bare_ipv6(address) and not given:
                 raise LaunchError(f"{where} is ambiguous: write {user}{at}[{name}] for the "
                                   f"address, or {user}{at}[{address}]:{tail} for its slots")
             host, slots_text = f"{user}{at}[{name}]", None

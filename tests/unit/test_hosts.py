@@ -81,15 +81,19 @@ def test_bare_ipv6_addresses_in_a_hostfile_and_clear_errors_for_them_in_dash_h()
     assert parse_hostfile("::1 slots=2\nfe80::abcd\nu@2001:db8::7 slots=3\n") == [
         HostSlots("::1", 2), HostSlots("fe80::abcd", 1), HostSlots("u@[2001:db8::7]", 3)]
     assert parse_hostfile("[::1] slots=2") == parse_hostfile("::1 slots=2")
-    # ...unless its last group could be ':slots'.
+    assert parse_hostfile("fe80::1:4 slots=2") == [HostSlots("fe80::1:4", 2)]
+    # ...unless its last group could be ':slots' and no slots= says otherwise.
     with pytest.raises(LaunchError, match=r"line 1 .*ambiguous: write \[fe80::1:4\] for the "
                                           r"address, or \[fe80::1\]:4 for its slots"):
         parse_hostfile("fe80::1:4")
     with pytest.raises(LaunchError, match="cannot start with '-'"):
         parse_hostfile("-oX@::1 slots=1")
     # -H separates slots with ':': a bare address is refused with the bracketed spelling.
-    with pytest.raises(LaunchError, match=r"goes in brackets: \[fe80::1\]:4\)"):
+    with pytest.raises(LaunchError, match=r"goes in brackets: \[fe80::1:4\] or \[fe80::1\]:4\)"):
         parse_hosts("fe80::1:4")
+    with pytest.raises(LaunchError, match=r"goes in brackets: \[::1:2\] or \[::1\]:2\)"):
+        parse_hosts("::1:2")
+
     with pytest.raises(LaunchError, match=r"goes in brackets: u@\[fe80::1\]\)"):
         parse_hosts("u@fe80::1")
     assert parse_hosts("[fe80::1]:4") == [HostSlots("fe80::1", 4)]
