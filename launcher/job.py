@@ -184,6 +184,7 @@ class Job:
         self.store: Optional[StoreServer] = None
         self.helper_scripts: Dict[str, Optional[str]] = {}  # remote host -> helper path
         self.srun: Optional[str] = None  # the srun executable, inside a Slurm allocation
+        self.srun_binds = True  # whether its cluster can bind CPUs (--cpu-bind=none then)
 
     @property
     def remote_hosts(self) -> List[str]:
@@ -302,8 +303,9 @@ class Job:
         if self.config.use_srun:
             if self.srun is None:
                 self.srun = slurm.find_srun(self.config.environ)
+                self.srun_binds = slurm.binds_cpus(self.srun, self.config.environ)
             return slurm.srun_command(placement.host, helper_command(self.config.remote_python),
-                                      self.srun)
+                                      self.srun, cpu_bind=self.srun_binds)
         if self.local[placement.host]:
             return helper_command()
         return remote_helper_command(placement.host, self.config.ssh, self.config.remote_python,

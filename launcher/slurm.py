@@ -12,7 +12,10 @@ helper's stdin, monitoring, failure handling) is the same as over ssh.
 
 from __future__ import annotations
 
+import os
+import re
 import shutil
+import subprocess
 from typing import Dict, List, Mapping, Optional, Sequence
 
 from hvdlike.core.mpi_bootstrap import expand_nodelist, expand_tasks_per_node
@@ -61,16 +64,38 @@ def allocation_hosts(environ: Mapping[str, str]) -> List[HostSlots]:
     return [HostSlots(node, count) for node, count in zip(nodes, counts)]
 
 
-def srun_command(host: str, helper_argv: Sequence[str], srun: str = "srun") -> List[str]:
+def srun_command(host: str, helper_argv: Sequence[str], srun: str = "srun",
+                 cpu_bind: bool = True) -> List[str]:
     """The ``srun`` that starts one rank's helper on ``host`` as a one-task step.
 
     ``--overlap`` lets the steps of all ranks run at once whatever the
     allocation's memory or CPU accounting; ``--cpu-bind=none`` leaves each
-    rank free to use every CPU Slurm gave the job on that node.
+    rank free to use every CPU Slurm gave the job on that node (left out with
+    ``cpu_bind`` off: on a cluster that binds nothing, srun would print that it
+    cannot, once per rank).
     """
     return [srun, "--nodes=1", "--ntasks=1", f"--nodelist={host}", "--overlap",
-            "--cpu-bind=none", "--quiet", "--input=all", "--job-name=hvdlike-rank",
-            *helper_argv]
+            *(["--cpu-bind=none"] if cpu_bind else []), "--quiet", "--input=all",
+            "--job-name=hvdlike-rank", *helper_argv]
+
+
+def binds_cpus(srun: str, environ: Mapping[str, str]) -> bool:
+    """Whether the cluster's task plugin can bind tasks to CPUs (so that
+    ``--cpu-bind=none`` means something); True when ``scontrol`` cannot say."""
+    scontrol = os.path.join(os.path.dirname(srun), "scontrol")
+    if not os.access(scontrol, os.X_OK):
+        scontrol = shutil.which("scontrol", path=environ.get("PATH")) or ""
+    if not scontrol:
+        return True
+    try:
+        out = subprocess.run([scontrol, "show", "config"], capture_output=True, text=True,
+                             timeout=10, env=dict(environ)).stdout
+    except (OSError, subprocess.SubprocessError):
+        return True
+    found = re.search(r"^TaskPlugin\s*=\s*(\S+)", out, re.MULTILINE)
+    if found is None:
+        return True
+    return any(name in found.group(1) for name in ("affinity", "cgroup"))
 
 
 def find_srun(environ: Mapping[str, str]) -> str:

@@ -202,6 +202,8 @@ def test_ctrl_c_while_the_launcher_starts_up_stops_it(marker):
             code, out, err = finish(proc, timeout=60)
         finally:
             kill_session(proc.pid)
+        if code == 1 and "Fatal Python error: init_import_site" in err:
+            continue  # a loaded host: the interpreter itself was still starting up
         assert code == 130, (delay, err)
         assert "interrupted" in err and "Traceback" not in err, (delay, err)
 

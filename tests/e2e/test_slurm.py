@@ -87,6 +87,8 @@ def test_hvdlike_run_inside_salloc_takes_hosts_from_the_allocation(slurm_cluster
         # Each rank runs in a job step of the allocation (under slurmstepd), not beside it.
         assert "stepd=True" in line, line
     assert len(job_ids) == 1 and job_ids != {"None"}, out
+    # This cluster binds nothing (task/none): no --cpu-bind for srun to refuse per rank.
+    assert "cpu binding" not in err, err
 
 
 def test_hvdlike_run_in_sbatch_script_and_a_failing_rank(slurm_cluster, marker):

@@ -89,6 +89,7 @@ def test_cli_inside_allocation_starts_ranks_with_srun(monkeypatch, tmp_path):
     srun = tmp_path / "srun"
     srun.write_text("#!/bin/sh\n")
     srun.chmod(0o755)
+    _fake_scontrol(tmp_path, "task/affinity,task/cgroup")
     config = cli.to_config(cli.build_parser().parse_args(["-np", "4", "python", "x.py"]))
     assert config.use_srun and config.hosts == [HostSlots("n1", 3), HostSlots("n2", 2)]
     config.environ = dict(SALLOC, PATH=f"{tmp_path}:/bin", SLURM_CONF="/etc/x.conf", HOSTNAME="login")
@@ -97,11 +98,33 @@ def test_cli_inside_allocation_starts_ranks_with_srun(monkeypatch, tmp_path):
     argv = job.launch_argv(job.placements[3])
     assert argv[0] == str(srun) and "--nodelist=n2" in argv and "--ntasks=1" in argv
     assert "--overlap" in argv and argv[-1].endswith("remote.py")
+    assert "--cpu-bind=none" in argv
     env = job.rank_spec(job.placements[3], "10.0.0.1", 1234)["env"]
     assert env["SLURM_JOB_ID"] == "77" and env["SLURM_CONF"] == "/etc/x.conf"
     assert "HOSTNAME" not in env and "SLURM_NTASKS" not in env
     assert env["HVDLIKE_RANK"] == "3" and env["HVDLIKE_LOCAL_RANK"] == "0"
     assert "(srun;" in job.describe()
+
+
+def _fake_scontrol(folder, plugin):
+    scontrol = folder / "scontrol"
+    scontrol.write_text(f"#!/bin/sh\necho 'SwitchType = (null)'\necho 'TaskPlugin              = "
+                        f"{plugin}'\n")
+    scontrol.chmod(0o755)
+
+
+@pytest.mark.parametrize("plugin, binds", [("task/none", False), ("task/affinity", True),
+                                           ("task/cgroup,task/affinity", True), (None, True)])
+def test_cpu_bind_is_passed_only_where_the_cluster_can_bind(tmp_path, plugin, binds):
+    # On a task/none cluster srun would print "lacks support for cpu binding" per rank.
+    srun = tmp_path / "srun"
+    srun.write_text("#!/bin/sh\n")
+    srun.chmod(0o755)
+    if plugin is not None:
+        _fake_scontrol(tmp_path, plugin)
+    assert slurm.binds_cpus(str(srun), {"PATH": str(tmp_path)}) is binds
+    argv = slurm.srun_command("n1", ["helper"], str(srun), cpu_bind=binds)
+    assert ("--cpu-bind=none" in argv) is binds and argv[-1] == "helper"
 
 
 def test_explicit_hosts_win_over_the_allocation(monkeypatch):
