@@ -175,12 +175,16 @@ class _DistributedAdasum(_Distributed):
             with torch.enable_grad():
                 loss = closure()
         self._hvd_register_all()  # parameters added or unfrozen since
+        idle = []  # parameters whose hook did not complete them
         for _, _, p in self._hvd_params():
             if p.requires_grad and id(p) not in self._hvd_handles:
+                idle.append(p)
                 self._hvd_start_delta(p)
         handles, self._hvd_handles = self._hvd_handles, {}
         self._hvd_passes = {}
         self._hvd_round_open = False
+        if idle:
+            self._hvd_rehook(idle)  # a replaced gradient accumulator is hooked again
         with torch.no_grad():
             for _, handle, _, (p, ctx) in handles.values():
                 combined = self._hvd_compression.decompress(ops.synchronize(handle), ctx)

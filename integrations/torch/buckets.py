@@ -127,6 +127,9 @@ class Bucket:
         destinations, sources = [], []
         copied = self._copied = []
         flat = self.flat
+        # Looked up once: per member, a dtype is compared by identity and a CPU
+        # bucket's device by ``is_cpu`` (``.device`` makes a new object per call).
+        dtype, device, on_cpu = flat.dtype, flat.device, flat.is_cpu
         starts = self._starts
         for i, (p, view) in enumerate(zip(self.members, self.views)):
             grad = p.grad
@@ -143,7 +146,8 @@ class Bucket:
             if grad is None:
                 view.zero_()
             else:
-                if grad.dtype != flat.dtype or grad.device != flat.device:
+                if grad.dtype is not dtype or not (grad.is_cpu if on_cpu
+                                                   else grad.device == device):
                     self.stale = True  # carried converted this once; re-planned after
                 destinations.append(view)
                 sources.append(grad)
@@ -180,6 +184,7 @@ class Bucket:
         retired = self.retired = []
         destinations, sources = [], []
         flat = self.flat
+        dtype, device, on_cpu = flat.dtype, flat.device, flat.is_cpu  # see pack()
         for p, view, viewable in zip(self.members, self.views, self._viewable):
             if not p.requires_grad:
                 continue  # frozen since construction: its gradient is left alone
@@ -188,7 +193,7 @@ class Bucket:
                 continue
             if grad is not None and grad.is_sparse:
                 continue  # reduced by its own sparse handle
-            if viewable and p.dtype == flat.dtype and p.device == flat.device:
+            if viewable and p.dtype is dtype and (p.is_cpu if on_cpu else p.device == device):
                 if grad is not None:
                     retired.append(grad)
                 p.grad = view

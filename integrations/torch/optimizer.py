@@ -1,8 +1,11 @@
 """``DistributedOptimizer``: average gradients across ranks while backward runs.
 
-The wrapper registers a post-accumulate-grad hook on every trainable
-parameter. When a parameter's gradient is complete for this step (after
-``backward_passes_per_step`` backward passes), its hook starts an
+The wrapper hooks every trainable parameter's gradient accumulator (the
+autograd node that adds a backward pass's gradient into ``p.grad``; see
+:func:`_take_over`), so its hook runs after every hook the user registered
+on the parameter with ``register_post_accumulate_grad_hook``, before or
+after wrapping. When a parameter's gradient is complete for this step
+(after ``backward_passes_per_step`` backward passes), its hook starts an
 asynchronous allreduce, so communication overlaps the rest of the backward
 pass. ``step()`` waits for the reductions, then runs the wrapped optimizer.
 
@@ -27,6 +30,7 @@ round is open does nothing: the gradients are already reduced.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import os
 import sys
@@ -85,7 +89,7 @@ class _Distributed:
         self._hvd_prefix = "" if index == 0 else f"opt{index}."
         # Per-parameter tables are keyed by id(p): a tensor's own __hash__ is a
         # Python call, and the hooks look parameters up hundreds of times a step.
-        self._hvd_hooks: Dict[int, object] = {}
+        self._hvd_hooks: Dict[int, _Hook] = {}
         # id(p) -> name of the parameters a newer DistributedOptimizer took over
         self._hvd_lost: Dict[int, str] = {}
         self._hvd_passes: Dict[int, int] = {}
@@ -440,23 +444,55 @@ class _Distributed:
             start(what)
         launched_groups = {k[1] for k in self._hvd_handles if isinstance(k, tuple)
                            and k[0] == "group"}
+        idle: List[torch.Tensor] = []  # parameters whose hook did not complete them
         for gi in range(len(self._hvd_groups)):
             if gi not in launched_groups and any(p.requires_grad for p in self._hvd_groups[gi]):
+                idle.extend(self._hvd_groups[gi])
                 self._hvd_start_group(gi)
         for bucket in self._hvd_buckets:
             # Every rank submits every bucket, missing gradients as zeros.
             if bucket.pending:
+                idle.extend(p for p, marked in zip(bucket.members, bucket.marked) if not marked)
                 bucket.pending = 0
                 self._hvd_start_bucket(bucket)
         for p in self._hvd_loose:
             if p.requires_grad and id(p) not in self._hvd_handles:
+                idle.append(p)
                 self._hvd_start(p)
         handles, self._hvd_handles = self._hvd_handles, {}
         self._hvd_reset_buckets()
         self._hvd_passes = {}
         self._hvd_group_ready = {}
         self._hvd_round_open = False
+        if idle:
+            self._hvd_rehook(idle)
         self._hvd_complete(handles)
+
+    def _hvd_rehook(self, params: Iterable[torch.Tensor]) -> None:
+        """Hook again those of ``params`` whose gradient accumulator autograd replaced.
+
+        A hook lives on the accumulator node (see :func:`_take_over`), which
+        autograd replaces when the parameter gets another dtype or device
+        (``p.data = ...``, ``module.double()``, ``.to(device)``) or other
+        memory (``p.set_(...)``); the new node has no hook. Called at
+        synchronization with the parameters whose hook did not complete them
+        this round -- only those can have lost it -- so the next rounds hook
+        them again (this one reduced them at synchronization). A parameter
+        with the dtype, device and memory it had when it was hooked is taken
+        as unchanged without looking at its node.
+        """
+        hooks = self._hvd_hooks
+        for p in params:
+            hooked = hooks.get(id(p))
+            if hooked is None or not p.requires_grad:
+                continue
+            placement = _placement(p)
+            if placement == hooked.placement:
+                continue
+            if _grad_accumulator(p) is hooked.node:
+                hooked.placement = placement  # the same node: new memory of the same kind
+            else:
+                hooks[id(p)] = _take_over(p, self, self._hvd_bucket_of.get(id(p)))
 
     def _hvd_complete(self, handles: dict) -> None:
         """Wait for this round's reductions and hand the results to the gradients."""
@@ -760,15 +796,71 @@ def _refuse_late_change(bucket: _buckets.Bucket) -> None:
 _HOOKS = WeakIdKeyDictionary()
 
 
+class _Hook:
+    """An optimizer's hook on one parameter: its handle, the gradient
+    accumulator node it is registered on, and the parameter's placement
+    (:func:`_placement`) when it was.
+
+    The optimizer holding this holds the node: between graphs autograd keeps
+    a parameter's accumulator only weakly, and a node nobody holds is made
+    anew, without the hook, by the next forward pass. A deep copy of the
+    optimizer gets no node (nodes cannot be copied; the copy's parameters are
+    new tensors anyway).
+    """
+
+    __slots__ = ("handle", "node", "placement")
+
+    def __init__(self, handle, node, placement) -> None:
+        self.handle = handle
+        self.node = node
+        self.placement = placement
+
+    def __deepcopy__(self, memo) -> "_Hook":
+        return _Hook(copy.deepcopy(self.handle, memo), None, None)
+
+
+def _grad_accumulator(p: torch.Tensor):
+    """``p``'s gradient accumulator: the autograd node that adds each backward
+    pass's gradient into ``p.grad`` (made now if no graph holds it)."""
+    if not p.is_leaf:
+        raise RuntimeError("DistributedOptimizer: a parameter is not a leaf tensor (it has a "
+                           "grad_fn); gradients are only accumulated into leaves")
+    with torch.enable_grad(), torch.inference_mode(False):
+        try:
+            out = p.view_as(p)
+        except (RuntimeError, NotImplementedError):  # a layout without views (sparse)
+            out = p.clone()
+        return out.grad_fn.next_functions[0][0]
+
+
+def _placement(p: torch.Tensor) -> tuple:
+    """What a replaced gradient accumulator comes with: another dtype or device,
+    or other memory (see ``_Distributed._hvd_rehook``)."""
+    try:
+        ptr = p.data_ptr()
+    except RuntimeError:  # no single data pointer (sparse)
+        ptr = None
+    return p.dtype, p.device, ptr
+
+
 def _take_over(p: torch.Tensor, optimizer: _Distributed,
-               where: Optional[Tuple[_buckets.Bucket, int]] = None):
+               where: Optional[Tuple[_buckets.Bucket, int]] = None) -> _Hook:
     """Register ``optimizer``'s hook on ``p``, removing an earlier optimizer's.
+
+    The hook is a post hook of ``p``'s gradient accumulator node, not a
+    tensor hook (``p.register_post_accumulate_grad_hook``): the node runs
+    all of the tensor's post-accumulate-grad hooks before its own post hooks,
+    so a user's hook on ``p`` (clipping, scaling) changes the gradient before
+    it is counted in and reduced, whether it was registered before or after
+    wrapping. The returned :class:`_Hook` holds the node and must be kept
+    (the optimizer's ``_hvd_hooks``) for the hook to stay.
 
     Re-wrapping the same parameters (a new optimizer after a checkpoint load)
     must not leave the old hook reducing ``p.grad`` in place a second time.
     The hook holds the optimizer weakly, so a dropped optimizer goes quiet.
     ``where`` is ``p``'s bucket and slot, if it has one.
     """
+    node = _grad_accumulator(p)  # first: it refuses a non-leaf before anything changed
     old = _HOOKS.get(p)
     if old is not None:
         old_handle, old_ref = old
@@ -780,15 +872,17 @@ def _take_over(p: torch.Tensor, optimizer: _Distributed,
             previous._hvd_lost.setdefault(id(p), previous._hvd_names.get(p, "a parameter"))
     ref = weakref.ref(optimizer)
 
+    # A node's post hook is called with the node's outputs (none) and inputs
+    # (the incoming gradient); ``p`` itself comes from the closure.
     if where is None:
-        def hook(param: torch.Tensor) -> None:
+        def hook(_outputs, _inputs) -> None:
             owner = ref()
             if owner is not None:
-                owner._hvd_hook(param)
+                owner._hvd_hook(p)
     else:
         bucket, slot = where
 
-        def hook(param: torch.Tensor) -> None:
+        def hook(_outputs, _inputs) -> None:
             # Hundreds of these run per step: the common case (one pass per
             # step, first time this round) only counts the member in, and
             # the last member sends the bucket. Anything else takes the full path.
@@ -804,11 +898,11 @@ def _take_over(p: torch.Tensor, optimizer: _Distributed,
                 return
             owner = ref()
             if owner is not None:
-                owner._hvd_hook(param)
+                owner._hvd_hook(p)
 
-    handle = p.register_post_accumulate_grad_hook(hook)
+    handle = node.register_hook(hook)
     _HOOKS[p] = (handle, ref)
-    return handle
+    return _Hook(handle, node, _placement(p))
 
 
 def _distributed_class(cls: type) -> type:
