@@ -220,15 +220,20 @@ def allreduce_entry(tensor, name: str, op=ReduceOp.AVERAGE, prescale_factor=1.0,
     return Entry(request, tensor, output, None, finish)
 
 
-def allgather_entry(tensor, name: str, group="", group_size=0) -> Entry:
+def allgather_entry(tensor, name: str, group="", group_size=0, once=False) -> Entry:
+    """``once``: ``name`` was made for this call alone (see ``Request.once``)."""
     tensor = check_tensor(tensor, "allgather")
     if tensor.dim() == 0:
         tensor = tensor.reshape(1)
-    request = _request(OpType.ALLGATHER, tensor, name, group=group, group_size=group_size)
+    fields = {"once": True} if once else {}
+    request = _request(OpType.ALLGATHER, tensor, name, group=group, group_size=group_size,
+                       **fields)
     return Entry(request, tensor, None, None)
 
 
-def broadcast_entry(tensor, root_rank: int, size: int, name: str, inplace=False) -> Entry:
+def broadcast_entry(tensor, root_rank: int, size: int, name: str, inplace=False,
+                    once=False) -> Entry:
+    """``once``: ``name`` was made for this call alone (see ``Request.once``)."""
     tensor = check_tensor(tensor, "broadcast")
     root = check_root(root_rank, size, "broadcast")
     finish = None
@@ -238,7 +243,8 @@ def broadcast_entry(tensor, root_rank: int, size: int, name: str, inplace=False)
         if inplace:
             finish = _copy_back(tensor, "broadcast")
         output = tensor.clone(memory_format=torch.contiguous_format)
-    request = _request(OpType.BROADCAST, tensor, name, root=root)
+    request = _request(OpType.BROADCAST, tensor, name, root=root,
+                       **({"once": True} if once else {}))
     return Entry(request, tensor, output, None, finish)
 
 
@@ -306,7 +312,9 @@ def reducescatter_entry(tensor, name: str, op=ReduceOp.AVERAGE, prescale_factor=
 
 
 def barrier_entry(name: str) -> Entry:
-    request = Request(name=name, op=OpType.BARRIER, dtype="uint8", shape=())
+    """A barrier's entry. Every barrier's name is made for its call (an automatic
+    name, a process-set change's), so it is never cached (``Request.once``)."""
+    request = Request(name=name, op=OpType.BARRIER, dtype="uint8", shape=(), once=True)
     return Entry(request, None, None, None)
 
 

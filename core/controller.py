@@ -9,7 +9,8 @@ Per cycle, every member rank:
 4. takes every slot all ranks marked ready, in slot order;
 5. only if some rank has uncached work: gathers the uncached requests to
    rank 0, whose :class:`Coordinator` validates and orders them, and
-   receives the new responses by broadcast, caching them in that order.
+   receives the new responses by broadcast, caching them in that order
+   (all but those of names made for one call, ``Response.once``).
 
 The result is the same ordered list of responses on every rank, each paired
 with the local entry it completes (None on a rank that joined and only
@@ -349,7 +350,11 @@ class Controller:
             entry = self._uncached.pop(response.name, None)
             if response.op == OpType.JOIN:
                 self._joined = False
-            elif not response.error and not response.joined and entry is not None:
+            elif (not response.error and not response.joined and not response.once
+                  and entry is not None):
+                # A name made for one call (Response.once) would only fill the
+                # cache: never looked up again, it would push out names that are,
+                # and the ready-bit vector of a full cycle grows with the slots.
                 for slot in self.cache.put(response, entry.request):
                     self._evicted(slot)
                 self.sequence.reset()

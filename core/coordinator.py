@@ -59,7 +59,10 @@ def build_response(requests: Sequence[Request], size: int, joined: Iterable[int]
     name = first.name
     joined = tuple(sorted(joined))
     base = dict(name=name, op=first.op, dtype=first.dtype, shape=first.shape,
-                device=first.device, group=first.group, joined=joined)
+                device=first.device, group=first.group, joined=joined,
+                # Uncached only when every rank made the name for one call: a rank
+                # that may submit it again keeps it cached, as a named tensor is.
+                once=all(r.once for r in requests))
 
     def error(what: str) -> Response:
         return Response(error=_mismatch(name, what, requests, ranks), **base)

@@ -57,6 +57,10 @@ class Request:
     # built by a front end (DistributedOptimizer's buckets): two ranks whose
     # buckets hold differently shaped parameters of the same total size differ here.
     layout: str = ""
+    # The name was made for this one call (a barrier's, an unnamed object
+    # collective's, a process-set change's) and never comes again: its
+    # response is executed but not cached (see Response.once).
+    once: bool = False
     rank: int = 0
 
     def signature(self) -> tuple:
@@ -175,6 +179,10 @@ class Response:
     group: str = ""
     error: str = ""
     joined: Tuple[int, ...] = ()
+    # Every rank asked for a name made for one call (Request.once): no rank
+    # caches this response. Decided once, by the coordinator, so the ranks'
+    # caches stay identical whatever each rank's request said.
+    once: bool = False
 
     # Cached responses execute every step, so what the executor derives from
     # their (frozen) fields is computed once and kept in the instance dict.
@@ -278,6 +286,8 @@ def malformed(request, sender: int, size: int) -> str:
     if not isinstance(fields.get("group"), str) or not _int(fields.get("group_size")) \
             or fields.get("group_size") < 0:
         return f"{what} with group {fields.get('group')!r} of {fields.get('group_size')!r}"
+    if not isinstance(fields.get("once", False), bool):
+        return f"{what} with once={fields.get('once')!r} (a bool belongs there)"
     layout = fields.get("layout", "")
     if not isinstance(layout, str) or len(layout) > MAX_LAYOUT_CHARS:
         return f"{what} with a layout that is not a text of at most {MAX_LAYOUT_CHARS} characters"

@@ -430,8 +430,9 @@ class ProcessSetRegistry:
 
         data = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8)
         length = torch.tensor([data.numel()], dtype=torch.int64)
-        handles = self._submit([allgather_entry(length, f"{name}.size"),
-                                allgather_entry(data, f"{name}.data")], 0)
+        # Names made for this change alone: never cached (Request.once).
+        handles = self._submit([allgather_entry(length, f"{name}.size", once=True),
+                                allgather_entry(data, f"{name}.data", once=True)], 0)
         lengths, blob = [self._wait(h) for h in handles]
         out, start = [], 0
         for n in lengths.tolist():

@@ -50,14 +50,15 @@ def _to_tensor(data: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
-def _broadcast(tensor: torch.Tensor, root_rank: int, name: str, process_set) -> torch.Tensor:
+def _broadcast(tensor: torch.Tensor, root_rank: int, name: str, process_set,
+               once: bool) -> torch.Tensor:
     # root_rank is a global rank, as in Horovod; the runtime maps it into the set.
-    entry = core.broadcast_entry(tensor, root_rank, api.size(), f"broadcast.{name}")
+    entry = core.broadcast_entry(tensor, root_rank, api.size(), f"broadcast.{name}", once=once)
     return synchronize(submit([entry], process_set, _FRONTEND)[0])
 
 
-def _allgather(tensor: torch.Tensor, name: str, process_set) -> torch.Tensor:
-    entry = core.allgather_entry(tensor, f"allgather.{name}")
+def _allgather(tensor: torch.Tensor, name: str, process_set, once: bool) -> torch.Tensor:
+    entry = core.allgather_entry(tensor, f"allgather.{name}", once=once)
     return synchronize(submit([entry], process_set, _FRONTEND)[0])
 
 
@@ -80,6 +81,9 @@ def broadcast_object_for(frontend: str):
 
 
 def _broadcast_object(obj, root_rank, name, process_set):
+    # An automatic name is this call's alone: its two broadcasts stay out of the
+    # response cache (Request.once). A name the caller gives is cached, as any is.
+    once = not name
     name = name or api.runtime().auto_name("broadcast_object", resolve(process_set))
     me = api.rank()  # root_rank is a global rank, as in Horovod
     payload, failure = None, None
@@ -87,9 +91,9 @@ def _broadcast_object(obj, root_rank, name, process_set):
         data, failure = _pickled(obj)
         payload = _to_tensor(data)
     length = torch.tensor([payload.numel() if payload is not None else 0], dtype=torch.int64)
-    length = _broadcast(length, root_rank, f"{name}.size", process_set)
+    length = _broadcast(length, root_rank, f"{name}.size", process_set, once)
     data = payload if payload is not None else torch.empty(int(length.item()), dtype=torch.uint8)
-    data = _broadcast(data, root_rank, f"{name}.data", process_set)
+    data = _broadcast(data, root_rank, f"{name}.data", process_set, once)
     if failure is not None:
         raise failure
     # The root rebuilds it too: an object that pickles but cannot be rebuilt then
@@ -112,12 +116,13 @@ def _unpickled(data: bytes, what: str, whose: str):
 
 def allgather_object(obj, name=None, process_set=global_process_set) -> list:
     """Return the list of every rank's ``obj``, in rank order."""
+    once = not name  # an automatic name is this call's alone (see _broadcast_object)
     name = name or api.runtime().auto_name("allgather_object", resolve(process_set))
     pickled, failure = _pickled(obj)
     payload = _to_tensor(pickled)
     sizes = _allgather(torch.tensor([payload.numel()], dtype=torch.int64), f"{name}.size",
-                       process_set)
-    data = _allgather(payload, f"{name}.data", process_set)
+                       process_set, once)
+    data = _allgather(payload, f"{name}.data", process_set, once)
     if failure is not None:
         raise failure
     out, start = [], 0
