@@ -140,4 +140,16 @@ def describe(ranks: Set[int], stuck: Dict[int, Sequence[Pending]],
         if more > 0:
             parts.append(f"and {more} more")
         lines.append(f"  rank {rank} ({host(rank)}) waits for " + "; ".join(parts))
+    if any(_OPTIMIZER_NAMES in name for rank in ranks for _, name, _ in stuck[rank]):
+        lines.append(_OPTIMIZER_HINT)
     return "\n".join(lines)
+
+
+# In the names of the torch front end's bucketed and unnamed gradient reductions:
+# ranks stuck on different ones built different optimizers or models.
+_OPTIMIZER_NAMES = "DistributedOptimizer."
+_OPTIMIZER_HINT = (
+    "  (the names are DistributedOptimizer's gradient reductions: the ranks' optimizers "
+    "differ -- a different number or order of parameters, a parameter frozen "
+    "(requires_grad=False) or added on some ranks only, an optimizer or a backward pass "
+    "that only some ranks have)")

@@ -55,3 +55,19 @@ def test_the_stuck_clock_restarts_on_any_change():
     assert clock.update(5.0, {(0, "a"): 1.0, (0, "b"): 9.5}, 10.0) == 10.0  # new submission
     assert clock.update(5.0, {(0, "b"): 9.5}, 12.0) == 12.0  # "a" completed
     assert clock.update(5.0, {(0, "b"): 13.0}, 14.0) == 13.0  # resubmitted under one name
+
+
+def test_ranks_stuck_on_optimizer_buckets_are_told_their_optimizers_differ():
+    # rank 1 froze a parameter: its bucket holds one member fewer, under another name
+    stuck = {0: [(0, "DistributedOptimizer.bucket.0.0.weight-2.bias", False)],
+             1: [(0, "DistributedOptimizer.bucket.0.0.weight-1.bias", False)]}
+    assert find_deadlock(stuck, world(2)) == {0, 1}
+    text = deadlock.describe({0, 1}, stuck, world(2), lambda r: "h", 31.0, 30)
+    assert text.endswith("(the names are DistributedOptimizer's gradient reductions: the "
+                         "ranks' optimizers differ -- a different number or order of "
+                         "parameters, a parameter frozen (requires_grad=False) or added on "
+                         "some ranks only, an optimizer or a backward pass that only some "
+                         "ranks have)")
+    plain = deadlock.describe({0, 1}, {0: [(0, "a", False)], 1: [(0, "b", False)]}, world(2),
+                              lambda r: "h", 31.0, 30)
+    assert "DistributedOptimizer" not in plain
