@@ -7,6 +7,7 @@ ranks and monitors them; leaving the context closes the store.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import shutil
@@ -70,13 +71,22 @@ def check_output_files(output_dir: str, rank: int, size: Optional[int] = None) -
     sticky shared folder on the way -- something planted in a shared folder (a
     FIFO that would block the launcher, a link to a file of the user's) is
     refused by name."""
-    from hvdlike.core.output_file import UnsafeOutputPath, open_output_file
+    from hvdlike.core.output_file import open_output_file
 
     folder = os.path.join(output_dir, rank_folder(rank, size))
-    try:
+    with _output_errors(output_dir):
         for stream in ("stdout", "stderr"):
             os.close(open_output_file(os.path.join(folder, stream), truncate=False,
                                       make_folders=True, own_names=2))
+
+
+@contextlib.contextmanager
+def _output_errors(output_dir: str):
+    """An unsafe or unusable ``--output-filename`` path as a one-line LaunchError."""
+    from hvdlike.core.output_file import UnsafeOutputPath
+
+    try:
+        yield
     except UnsafeOutputPath as exc:
         raise LaunchError(f"--output-filename {output_dir}: {exc}") from None
     except OSError as exc:
@@ -91,9 +101,9 @@ def check_output_unmade(output_dir: str, np: int, padded: bool = True) -> None:
     and any ``rank.N`` folder (``padded`` as :func:`~.monitor.rank_folder` pads it)
     and output file of ``np`` ranks already there, as :func:`check_output_files`
     would find them."""
-    from hvdlike.core.output_file import UnsafeOutputPath, open_output_file, output_folder
+    from hvdlike.core.output_file import open_output_file, output_folder
 
-    try:
+    with _output_errors(output_dir):
         existing = output_dir
         while existing and not os.path.lexists(existing):
             existing = os.path.dirname(existing.rstrip(os.sep))
@@ -109,12 +119,6 @@ def check_output_unmade(output_dir: str, np: int, padded: bool = True) -> None:
                 name = os.path.join(folder, stream)
                 if os.path.lexists(name):
                     os.close(open_output_file(name, truncate=False, create=False, own_names=2))
-    except UnsafeOutputPath as exc:
-        raise LaunchError(f"--output-filename {output_dir}: {exc}") from None
-    except OSError as exc:
-        where = f" ({exc.filename})" if exc.filename else ""
-        raise LaunchError(f"--output-filename {output_dir}: {exc.strerror or exc}{where}") \
-            from None
 
 
 def check_writable_file(path: str, cwd: str, what: str) -> None:
