@@ -131,9 +131,14 @@ class Cluster:
         self._wait(lambda: os.path.exists(self.munge_socket), "munged", 20)
 
     def _spawn(self, name: str, argv: List[str]) -> None:
+        # A daemon gets SIGTERM when the test process dies without tearing the
+        # cluster down (a worker killed mid-fixture): it does not outlive the run.
+        from hvdlike.launcher.mpi_exec import _parent_death_signal
+
         log = open(self._path(f"{name}.out"), "w")
         self.procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                            env=self.env(), start_new_session=True)
+                                            env=self.env(), start_new_session=True,
+                                            preexec_fn=_parent_death_signal())
         log.close()
 
     def _log(self, name: str) -> str:
