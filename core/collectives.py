@@ -225,9 +225,8 @@ def allgather_entry(tensor, name: str, group="", group_size=0, once=False) -> En
     tensor = check_tensor(tensor, "allgather")
     if tensor.dim() == 0:
         tensor = tensor.reshape(1)
-    fields = {"once": True} if once else {}
     request = _request(OpType.ALLGATHER, tensor, name, group=group, group_size=group_size,
-                       **fields)
+                       once=once)
     return Entry(request, tensor, None, None)
 
 
@@ -243,8 +242,7 @@ def broadcast_entry(tensor, root_rank: int, size: int, name: str, inplace=False,
         if inplace:
             finish = _copy_back(tensor, "broadcast")
         output = tensor.clone(memory_format=torch.contiguous_format)
-    request = _request(OpType.BROADCAST, tensor, name, root=root,
-                       **({"once": True} if once else {}))
+    request = _request(OpType.BROADCAST, tensor, name, root=root, once=once)
     return Entry(request, tensor, output, None, finish)
 
 

@@ -32,31 +32,31 @@ def pytest_configure(config):
 _SHARED_SCOPE = re.compile(r"scope=[\"'](module|package)[\"']")
 
 
-def _keeps_its_worker(path: str, sources: dict) -> bool:
-    """Whether the tests of ``path`` must share one worker.
+def _worker_group(path: str, sources: dict):
+    """The xdist group of the tests of ``path``, or None to hand them out one by one.
 
-    True for a file that defines a module- or package-scoped fixture (a jax
-    job, the one-host Slurm cluster: set up once, and the cluster cannot run
-    twice at a time) and for every Ray test (one local Ray cluster per test
-    package). Other files' tests spread over the workers one by one, so a long
-    file does not become one worker's long tail.
+    A file that defines a module- or package-scoped fixture (a jax job, the
+    one-host Slurm cluster: set up once, and the cluster cannot run twice at a
+    time) keeps one worker; every Ray test shares one (one local Ray cluster per
+    test package). Other files' tests spread over the workers, so a long file
+    does not become one worker's long tail.
     """
     if "/ray/" in path or "ray" in path.rsplit("/", 1)[-1]:
-        return True
+        return "ray"
     if path not in sources:
         try:
             with open(os.path.join(ROOT, path)) as handle:
                 sources[path] = bool(_SHARED_SCOPE.search(handle.read()))
         except OSError:
             sources[path] = True
-    return sources[path]
+    return path if sources[path] else None
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Under ``pytest -n N --dist loadgroup`` (the README's command), keep the
     tests that share an expensive or exclusive fixture on one worker
-    (``_keeps_its_worker``); the rest are handed out test by test.
+    (``_worker_group``); the rest are handed out test by test.
 
     Runs before xdist's own hook of the same name, which reads the groups
     (as a suffix of each test's id) on the workers: marked after it, they
@@ -66,7 +66,6 @@ def pytest_collection_modifyitems(config, items):
         return
     sources: dict = {}
     for item in items:
-        path = item.nodeid.split("::", 1)[0]
-        if _keeps_its_worker(path, sources):
-            group = "ray" if "/ray/" in path or "ray" in path.rsplit("/", 1)[-1] else path
+        group = _worker_group(item.nodeid.split("::", 1)[0], sources)
+        if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))

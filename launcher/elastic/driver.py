@@ -48,7 +48,7 @@ from ..monitor import (
 )
 from ..rendezvous import is_local
 from ..ssh_exec import start_delay
-from .assignment import Member, Slot, assign, placements, usable_slots
+from .assignment import Member, assign, placements, usable_slots
 from .discovery import LastGood
 from .host_table import HostTable
 from .settings import ElasticSettings
@@ -397,7 +397,7 @@ class ElasticDriver:
         reason = f"did not arrive for generation {number} within {report.seconds:g}s"
         self.result.lost.append(Lost(worker.rank, member.worker, host, reason, number))
         if host in arrived_hosts:
-            until = self.table.drop_slot(member.slot, host, now)
+            until = self.table.drop_slot(member.slot, now)
             back = "" if until is None else f" for {until - now:.0f}s"
             what = f"its slot dropped{back} (host {host} stays: members that arrived run there)"
         elif host in blacklisted:

@@ -53,10 +53,11 @@ class HostTable:
         self._until[host] = self._back_at(count, now)
         return self._until[host]
 
-    def drop_slot(self, slot, host: str, now: float) -> Optional[float]:
-        """Keep ``slot`` (of ``host``) out; return when it may come back (None: never)."""
-        count = self._slot_drops.get(host, 0)
-        self._slot_drops[host] = count + 1
+    def drop_slot(self, slot, now: float) -> Optional[float]:
+        """Keep ``slot`` (a ``Slot``, of host ``slot.host``) out; return when it may come
+        back (None: never)."""
+        count = self._slot_drops.get(slot.host, 0)
+        self._slot_drops[slot.host] = count + 1
         self._slots_until[slot] = self._back_at(count, now)
         return self._slots_until[slot]
 

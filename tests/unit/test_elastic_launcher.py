@@ -83,15 +83,15 @@ def test_blacklist_cooldown_returns_the_host_and_doubles():
 def test_a_dropped_slot_stays_out_for_good_or_for_its_cooldown():
     forever = HostTable()
     forever.update([HostSlots("a", 2)])
-    assert forever.drop_slot(Slot("a", 1), "a", now=0.0) is None
+    assert forever.drop_slot(Slot("a", 1), now=0.0) is None
     assert forever.dropped_slots(1e9) == {Slot("a", 1)}
     assert forever.available(1e9) == [HostSlots("a", 2)]  # the host itself stays
     table = HostTable((10.0, 20.0), draw=lambda lo, hi: lo)
     table.update([HostSlots("a", 2)])
-    assert table.drop_slot(Slot("a", 1), "a", now=100.0) == 110.0
+    assert table.drop_slot(Slot("a", 1), now=100.0) == 110.0
     assert table.dropped_slots(109.0) == {Slot("a", 1)}
     assert table.dropped_slots(110.0) == set()  # back, and forgotten
-    assert table.drop_slot(Slot("a", 0), "a", now=200.0) == 220.0  # the host's second drop
+    assert table.drop_slot(Slot("a", 0), now=200.0) == 220.0  # the host's second drop
 
 
 def test_update_reports_change():

@@ -3,33 +3,7 @@
 import json
 
 from hvdlike.core import generation_keys
-
-
-class _Store:
-    """A store whose read of a missing key fails at once (the real one blocks for
-    its whole timeout, then fails)."""
-
-    def __init__(self):
-        self.data = {}
-
-    def set(self, key, value):
-        self.data[key] = value.encode() if isinstance(value, str) else value
-
-    def get(self, key):
-        if key not in self.data:
-            raise TimeoutError(f"would wait the store's timeout for {key!r}")
-        return self.data[key]
-
-    def check(self, keys):
-        return all(k in self.data for k in keys)
-
-    def add(self, key, amount):
-        value = int(self.data.get(key, b"0")) + amount
-        self.data[key] = str(value).encode()
-        return value
-
-    def delete_key(self, key):
-        return self.data.pop(key, None) is not None
+from tests.local_store import DictStore
 
 
 class _Log:
@@ -41,7 +15,7 @@ class _Log:
 
 
 def test_a_list_removed_by_someone_else_does_not_hold_up_the_last_closer():
-    store = _Store()
+    store = DictStore()
     store.set("gen1/a0", "x")
     store.set("gen1/a1", "y")
     assert not generation_keys.forget(store, "gen1/", [_Log(["gen1/a1"])], rank=1, size=2)
@@ -53,7 +27,7 @@ def test_a_list_removed_by_someone_else_does_not_hold_up_the_last_closer():
 
 
 def test_the_last_closer_deletes_every_ranks_keys():
-    store = _Store()
+    store = DictStore()
     for key in ("gen2/a0", "gen2/a1", "gen2/a2"):
         store.set(key, "v")
     assert not generation_keys.forget(store, "gen2/", [_Log(["gen2/a2"])], rank=2, size=3)
@@ -63,7 +37,7 @@ def test_the_last_closer_deletes_every_ranks_keys():
 
 
 def test_the_host_waits_until_the_last_closer_is_done_and_no_longer():
-    store = _Store()
+    store = DictStore()
     store.set("gen3/a1", "v")
     # rank 0 (hosting the server) counts in first: rank 1 is still to close
     assert not generation_keys.forget(store, "gen3/", [_Log([])], rank=0, size=2)

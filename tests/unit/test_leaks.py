@@ -5,34 +5,11 @@ import time
 
 from hvdlike.core import generation_keys
 from hvdlike.core.timeline import Timeline
-
-
-class _Store:
-    """The store calls the key logs make, on a dict."""
-
-    def __init__(self):
-        self.data = {}
-
-    def set(self, key, value):
-        self.data[key] = value.encode() if isinstance(value, str) else value
-
-    def get(self, key):
-        return self.data[key]
-
-    def check(self, keys):
-        return all(k in self.data for k in keys)
-
-    def add(self, key, amount):
-        value = int(self.data.get(key, b"0")) + amount
-        self.data[key] = str(value).encode()
-        return value
-
-    def delete_key(self, key):
-        return self.data.pop(key, None) is not None
+from tests.local_store import DictStore
 
 
 def test_a_removed_sets_keys_are_deleted_by_its_last_member_and_forgotten():
-    store = _Store()
+    store = DictStore()
     logs = [generation_keys.KeyLog(store, "gen1/") for _ in range(2)]
     for member, log in enumerate(logs):
         log.set(f"ps3/control/arrived/{member}", "1")
@@ -48,7 +25,7 @@ def test_a_removed_sets_keys_are_deleted_by_its_last_member_and_forgotten():
 
 
 def test_a_published_key_list_drops_a_removed_sets_keys():
-    store = _Store()
+    store = DictStore()
     log = generation_keys.KeyLog(store, "elastic4/", publish="keys/0.0")
     log.set("ps2/verdict", "go")
     log.set("health/hb/0", "1")
