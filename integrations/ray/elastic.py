@@ -294,12 +294,17 @@ class ElasticRayJob:
         cpus_per_worker: CPUs per rank actor.
         gpus_per_worker: GPUs per rank actor (0: none).
         output: where driver messages go (stderr by default).
+        start_wait_s: how long new rank actors may take to come up before their
+            GPU ids are read (``timeout_s`` by default); actor processes start
+            slowly on a busy node, as in a fixed job's start.
     """
 
     def __init__(self, params: ElasticParams, timeout_s: float, nic: str,
-                 cpus_per_worker: float, gpus_per_worker: float, output: Optional[Output] = None):
+                 cpus_per_worker: float, gpus_per_worker: float, output: Optional[Output] = None,
+                 start_wait_s: Optional[float] = None):
         self.params = params
         self.timeout_s = timeout_s
+        self.start_wait_s = timeout_s if start_wait_s is None else start_wait_s
         self.nic = nic
         self.cpus_per_worker = cpus_per_worker
         self.gpus_per_worker = gpus_per_worker
@@ -413,7 +418,7 @@ class ElasticRayJob:
 
         try:
             found = ray.get([rank.actor.where.remote() for rank, _ in pending],
-                            timeout=self.timeout_s)
+                            timeout=self.start_wait_s)
         except Exception as exc:  # noqa: BLE001 - such a rank fails when it runs
             self.output.note(f"could not read the new ranks' GPU ids: {type(exc).__name__}")
             return

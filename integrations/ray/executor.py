@@ -207,8 +207,10 @@ class RayExecutor:
         params = ElasticParams(min_workers, max_workers, reset_limit, cooldown_range,
                                float(elastic_timeout))
         settings = self.settings
-        self._elastic = ElasticRayJob(params, settings.timeout_s, (settings.nics or [""])[0],
-                                      self.cpus_per_worker, self.gpus_per_worker)
+        self._elastic = ElasticRayJob(
+            params, settings.timeout_s, (settings.nics or [""])[0], self.cpus_per_worker,
+            self.gpus_per_worker,
+            start_wait_s=settings.placement_group_timeout_s + settings.timeout_s)
 
     @property
     def elastic(self) -> Optional[ElasticRayJob]:
