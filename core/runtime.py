@@ -187,8 +187,8 @@ class Runtime:
         if world is not None and environ.get(ENV_WORKER):
             raise HvdlikeError("init(comm=...) cannot be used in an elastic job: its ranks "
                                "come and go; use process sets")
-        enter_generation(environ)  # elastic jobs: all members present (may move it on)
         cfg = config_mod.load(environ, **overrides)
+        enter_generation(environ, cfg.start_timeout)  # elastic: all members present
         topology, rendezvous = bootstrap.detect(environ, cfg.start_timeout, world)
         job_store, world_tag, world_keys = None, "", []
         if world is not None and rendezvous.mpi_comm is None:

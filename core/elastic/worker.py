@@ -273,7 +273,8 @@ class WorkerContext:
             sleep(_POLL_SECONDS)
 
     def enter(self, clock: Callable[[], float] = time.monotonic,
-              sleep: Callable[[float], None] = time.sleep) -> None:
+              sleep: Callable[[float], None] = time.sleep,
+              start_seconds: Optional[float] = None) -> None:
         """Announce this process in its generation; wait until every member has.
 
         Members start at different speeds (a new process imports torch, a
@@ -294,6 +295,8 @@ class WorkerContext:
             ElasticStoreTampered: this process's seat was deleted (see :meth:`left_out`).
             SystemExit: the newest generation leaves this process out (status 0).
         """
+        if start_seconds is not None:  # init(start_timeout=...), kept for later re-forms
+            self.start_seconds = start_seconds
         deadline = clock() + self.wait_seconds
         while True:
             latest = self.latest()
@@ -423,15 +426,19 @@ def generation_key(environ) -> Optional[bytes]:
     return ctx.key(int(environ.get(protocol.ENV_GENERATION, "0") or 0))
 
 
-def enter_generation(environ) -> None:
+def enter_generation(environ, start_seconds: Optional[float] = None) -> None:
     """Called by every ``init()``: in an elastic job, wait for the generation's
-    members (see :meth:`WorkerContext.enter`); otherwise do nothing."""
+    members (see :meth:`WorkerContext.enter`); otherwise do nothing.
+
+    ``start_seconds``: the runtime's start timeout (``init(start_timeout=...)``
+    or the environment's); members missing after it are reported.
+    """
     if not environ.get(protocol.ENV_WORKER):
         return
     ctx = context()
     if ctx.environ is not environ:  # a runtime started from an explicit environment
         ctx = WorkerContext(environ)
-    ctx.enter()
+    ctx.enter(start_seconds=start_seconds)
 
 
 _context: Optional[WorkerContext] = None

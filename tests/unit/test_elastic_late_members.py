@@ -229,3 +229,21 @@ def test_the_waiting_member_reports_after_the_start_timeout_and_moves_on():
     # generation 2 formed: its rank 0 deleted generation 1's keys, the report with them
     assert not driver.store.check([protocol.late_key(1)])
     assert not driver.store.check([protocol.roster_key(1)])
+
+
+def test_a_start_timeout_given_to_init_bounds_the_wait_not_the_environments():
+    driver, clock = _driver([("a", 1), ("b", 1)], np=2)
+    ctx = _member(driver, "w0")  # its environment says 3 s
+    ticks = [0.0]
+
+    def sleep(seconds):
+        ticks[0] += 0.5
+        _check(driver, clock, 0.5)
+        if driver._reform_at is not None:
+            driver._reform()
+
+    ctx.enter(clock=lambda: ticks[0], sleep=sleep, start_seconds=1.0)
+    assert ctx.generation == 2
+    assert 1.0 < ticks[0] < 3.0, ticks  # reported after init's 1 s, not the environment's 3 s
+    assert ctx.start_seconds == 1.0  # kept for the re-forms that follow
+    assert "(reported by w0)" in driver.output.notes[-2], driver.output.notes
