@@ -215,10 +215,12 @@ def test_a_store_that_hangs_once_and_answers_again_keeps_being_used(monkeypatch)
         w.health.close(clean=False)
 
 
-def test_after_close_the_store_can_still_be_read_for_a_late_error():
+def test_after_close_the_store_can_still_be_read_for_a_late_error(monkeypatch):
     # A call made after a negotiated shutdown names the ranks that went away
     # and their hosts (Runtime._shutdown_reason): those reads come after the
-    # watcher closed, and must still reach the store.
+    # watcher closed, and must still reach the store. (Given time to answer on a
+    # busy machine: what is checked is that the read is made, not how fast.)
+    monkeypatch.setattr(health, "STORE_ANSWER_SECONDS", 30.0)
     host = host_store(timeout=5)
     w = Watcher(client(host, timeout=5), rank=1, size=2)
     host.set("health/host/0", "host0 (pid 10)")
