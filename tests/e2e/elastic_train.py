@@ -8,7 +8,10 @@ after every batch. Each rank prints, per generation it trains in,
 Faults, one-shot, from ``ELASTIC_FAULTS`` (comma separated
 ``WORKER:STEP:KIND``): when the worker reaches STEP committed steps it raises
 (``raise``) or SIGKILLs itself (``kill``). ``ELASTIC_STEP_SECONDS`` slows every
-step; ``ELASTIC_PROGRESS`` names a file the rank 0 writes its step count to.
+step; with ``ELASTIC_SLOW_GENERATIONS`` (comma-separated generation numbers) only
+the steps of those generations, the others taking the default 0.05 s (a job that
+waits for a host change is slowed while it waits, not once the change is in).
+``ELASTIC_PROGRESS`` names a file the rank 0 writes its step count to.
 ``ELASTIC_PROCESS_SETS`` (``0,1;2,3``) are static process sets given to
 ``init()``; the GEN line then shows each set's id and the sum of the global
 ranks of its members, computed by an allreduce on the set (``sets=``).
@@ -28,7 +31,9 @@ import hvdlike.torch as hvd
 
 EPOCHS = int(os.environ.get("ELASTIC_EPOCHS", "3"))
 BATCHES = int(os.environ.get("ELASTIC_BATCHES", "8"))
-STEP_SECONDS = float(os.environ.get("ELASTIC_STEP_SECONDS", "0.05"))
+DEFAULT_STEP_SECONDS = 0.05
+STEP_SECONDS = float(os.environ.get("ELASTIC_STEP_SECONDS", DEFAULT_STEP_SECONDS))
+SLOW_GENERATIONS = set(filter(None, os.environ.get("ELASTIC_SLOW_GENERATIONS", "").split(",")))
 WORKER = os.environ.get("HVDLIKE_ELASTIC_WORKER", "static")
 FAULTS = {}
 for spec in filter(None, os.environ.get("ELASTIC_FAULTS", "").split(",")):
@@ -75,6 +80,13 @@ def inject(steps):
             raise RuntimeError(f"injected failure of {WORKER} at step {steps}")
 
 
+def step_seconds():
+    """How long a step of the current generation sleeps."""
+    if SLOW_GENERATIONS and os.environ.get("HVDLIKE_ELASTIC_GENERATION") not in SLOW_GENERATIONS:
+        return DEFAULT_STEP_SECONDS
+    return STEP_SECONDS
+
+
 def checksum():
     return ",".join(f"{v:.6f}" for v in torch.cat([p.detach().flatten()
                                                    for p in model.parameters()]).tolist())
@@ -115,8 +127,9 @@ def train(state):
             optimizer.zero_grad()
             torch.nn.functional.mse_loss(model(x), y).backward()
             optimizer.step()
-            if STEP_SECONDS:
-                time.sleep(STEP_SECONDS)
+            pause = step_seconds()
+            if pause:
+                time.sleep(pause)
             state.steps += 1
             state.batch += 1
             state.commit()

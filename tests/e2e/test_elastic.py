@@ -137,11 +137,17 @@ def test_a_rank_started_for_a_generation_the_others_never_enter_leaves(marker):
     # the elastic timeout (10 minutes by default).
     script = write_script(marker, "done_early.py", """
         import os, sys, time
+        entering = os.path.join(os.path.dirname(os.path.abspath(__file__)), "entering")
         if os.environ["HVDLIKE_ELASTIC_GENERATION"] == "1":
-            time.sleep(4)  # meanwhile the launcher publishes generation 2 (3 ranks)
+            # Ends once the launcher has published generation 2 (3 ranks) and its new
+            # process is entering init() (at most 60 s: the assertions then say why).
+            deadline = time.monotonic() + 60
+            while not os.path.exists(entering) and time.monotonic() < deadline:
+                time.sleep(0.05)
             print("EARLY", os.environ["HVDLIKE_RANK"], flush=True)
             sys.exit(0)
         import hvdlike.torch as hvd
+        open(entering, "w").close()
         hvd.init()
         print("ENTERED", hvd.rank(), hvd.size(), flush=True)
     """)
@@ -200,19 +206,19 @@ def test_every_rank_failing_fails_the_job(marker):
 
 def test_below_min_np_past_the_timeout_fails_the_job(marker):
     code, out, err, took = run(
-        ["-np", "2", "--min-np", "2", "--elastic-timeout", "3", "--blacklist-cooldown-range",
+        ["-np", "2", "--min-np", "2", "--elastic-timeout", "1", "--blacklist-cooldown-range",
          "300", "400", "-H", "127.0.0.1:1,127.0.0.2:1", sys.executable, TRAIN, str(marker)],
         timeout=120, env=_env(ELASTIC_FAULTS="w1:3:raise"))
     assert code != 0
-    assert "fewer than --min-np 2 slots usable (1) for more than --elastic-timeout 3s" in err, err
+    assert "fewer than --min-np 2 slots usable (1) for more than --elastic-timeout 1s" in err, err
     assert "lost rank 1 (generation 1) on host 127.0.0.2" in err
 
 
 def test_reset_limit_exceeded_fails_the_job(marker):
     code, out, err, _ = run(
-        ["-np", "3", "--min-np", "1", "--reset-limit", "0", "-H", "127.0.0.1:2,127.0.0.2:1",
+        ["-np", "2", "--min-np", "1", "--reset-limit", "0", "-H", "127.0.0.1:1,127.0.0.2:1",
          sys.executable, TRAIN, str(marker)],
-        timeout=120, env=_env(ELASTIC_FAULTS="w2:3:raise"))
+        timeout=120, env=_env(ELASTIC_FAULTS="w1:3:raise"))
     assert code != 0
     assert "the job would re-form more than --reset-limit 0 time(s)" in err, err
 
@@ -221,8 +227,11 @@ def test_blacklisted_host_comes_back_after_its_cooldown(marker):
     code, out, err, _ = run(
         ["-np", "2", "--min-np", "1", "--max-np", "2", "--blacklist-cooldown-range", "2", "3",
          "-H", "127.0.0.1:1,127.0.0.2:1", sys.executable, TRAIN, str(marker)],
+        # Generation 2 (w0 alone) steps slowly: 21 steps of 0.5 s for 127.0.0.2 to come
+        # back after its 2-3 s cooldown; generations 1 and 3 need no time to wait for.
         timeout=180, env=_env(ELASTIC_FAULTS="w1:3:raise", ELASTIC_STEP_SECONDS="0.5",
-                              ELASTIC_EPOCHS="3", ELASTIC_BATCHES="8"))  # time to come back
+                              ELASTIC_SLOW_GENERATIONS="2", ELASTIC_EPOCHS="3",
+                              ELASTIC_BATCHES="8"))
     assert code == 0, err
     _assert_finished(out, ["w0", "w2"], 2, steps=3 * 8)
     assert _trained_sizes(out, "w0") == [2, 1, 2], out
@@ -237,9 +246,12 @@ def test_hosts_added_then_removed_grow_and_shrink_the_job(marker):
     script.write_text(f"#!/bin/sh\ncat {hosts}\n")
     script.chmod(0o755)
     progress = marker / "progress"
+    # Generations 1 (2 ranks) and 2 (4 ranks) step slowly while the hosts change under
+    # them; generation 3, once shrunk, has nothing left to wait for.
     proc = start(["-np", "2", "--min-np", "2", "--max-np", "4", "--host-discovery-script",
                   str(script), sys.executable, TRAIN, str(marker)],
-                 env=_env(ELASTIC_STEP_SECONDS="0.25", ELASTIC_EPOCHS="3", ELASTIC_BATCHES="10",
+                 env=_env(ELASTIC_STEP_SECONDS="0.25", ELASTIC_SLOW_GENERATIONS="1,2",
+                          ELASTIC_EPOCHS="3", ELASTIC_BATCHES="10",
                           ELASTIC_PROGRESS=str(progress)))
     try:
         _wait_progress(progress, lambda steps, size: steps >= 3, proc)
@@ -329,7 +341,8 @@ REGROW = """
             if hvd.rank() == 0 and hvd.size() == 2 and state.steps == 6:
                 open(os.path.join(here, "grow"), "w").close()
             state.steps += 1
-            time.sleep(0.1)
+            if hvd.size() == 2:  # paced while the job waits to grow back
+                time.sleep(0.1)
             state.commit()
 
     state = hvd.elastic.TorchState(model=torch.nn.Linear(2, 1), steps=0)
@@ -362,11 +375,11 @@ def test_a_job_with_process_sets_shrinks_and_grows_back(marker):
 
 HANG_BEFORE_INIT = """
     import os, sys, time
-    import torch
-    torch.set_num_threads(1)
     if os.environ["HVDLIKE_ELASTIC_WORKER"] == os.environ["HANG_WORKER"]:
         print("HANGING", os.environ["HVDLIKE_ELASTIC_WORKER"], flush=True)
         time.sleep(100)  # alive, but never reaches init()
+    import torch
+    torch.set_num_threads(1)
     import hvdlike.torch as hvd
     began = time.monotonic()
     hvd.init()
