@@ -75,6 +75,10 @@ def settings(args) -> dict:
             if value < 1:
                 raise SystemExit(f"--{key}: must be at least 1, got {value}")
             cfg[key] = value
+    if args.warmup is not None:
+        if args.warmup < 0:
+            raise SystemExit(f"--warmup: must be 0 or more, got {args.warmup}")
+        cfg["warmup"] = args.warmup
     if args.np < 1:
         raise SystemExit(f"--np: must be at least 1, got {args.np}")
     if args.rss_steps < 0:
@@ -101,6 +105,9 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny sizes and step counts")
     parser.add_argument("--reps", type=int, help="alternation rounds per workload")
     parser.add_argument("--steps", type=int, help="timed steps per contender per round")
+    parser.add_argument("--warmup", type=int,
+                        help="untimed steps before each block, three times that before a "
+                             "workload's first round (default 2, 1 with --quick)")
     parser.add_argument("--workloads", default=",".join(ALL),
                         help=f"comma list from {','.join(ALL + OPTIONAL)}, or none "
                              f"(default: all but {','.join(OPTIONAL)})")

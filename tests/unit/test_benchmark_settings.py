@@ -56,6 +56,7 @@ def test_an_unknown_allocator_choice_is_refused(capsys):
     (["--steps", "-2"], "--steps: must be at least 1, got -2"),
     (["--np", "0"], "--np: must be at least 1, got 0"),
     (["--rss-steps", "-3"], "--rss-steps: must be 0 (off) or more, got -3"),
+    (["--warmup", "-1"], "--warmup: must be 0 or more, got -1"),
     (["--workloads", "train_large,bogus"], "--workloads: unknown ['bogus']; choose from "
      "train_large, train_small, allreduce, many_small, overhead, floor or none"),
 ])
