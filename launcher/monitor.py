@@ -38,6 +38,10 @@ from ..core.output_file import open_output_file
 TAIL_LINES = 10
 SSH_FAILURE = 255
 ROOT_CAUSE_WINDOW = 2.0  # seconds
+# How long the ranks a failure names as having shut the job down under it get to
+# end with their own status (an interpreter that loaded torch can take seconds
+# to exit on a busy host); they announced their exit, so this is not a hang.
+LEAVER_WINDOW = 10.0  # seconds
 PUMP_DRAIN_SECONDS = 5.0
 READ_SIZE = 65536  # bytes taken from a rank's pipe at a time
 PIECE_CAP = 65536  # characters of a line held back at most while waiting for its end
@@ -663,7 +667,7 @@ def monitor(workers: Sequence[Worker], output: Output, grace_seconds: float,
                         if any(r in live for r in blamed):
                             # The ranks it blames are on their way out: let them end
                             # with their own status before stopping them.
-                            deferred = (clock() + ROOT_CAUSE_WINDOW, why, blamed)
+                            deferred = (clock() + LEAVER_WINDOW, why, blamed)
                         else:
                             stop_all(why)
                 if on_exit is not None:
@@ -694,25 +698,30 @@ def _died(worker: Worker, ours: bool = True) -> bool:
     return ours or code - 128 not in (signal.SIGTERM, signal.SIGINT)
 
 
-def root_cause(workers: Sequence[Worker], first: Worker, window: float = ROOT_CAUSE_WINDOW) -> Worker:
+def root_cause(workers: Sequence[Worker], first: Worker, window: float = ROOT_CAUSE_WINDOW,
+               leaver_window: float = LEAVER_WINDOW) -> Worker:
     """The failure to report: ``first``, unless a rank *died* (signal, lost host) within
     ``window`` seconds of it. When a rank is killed, its peers often fail on their own
     a moment later with a connection error; the dead rank is the one to name.
 
     Likewise a rank that exited non-zero (``sys.exit(7)``) shuts the job down on its
     way out: a peer inside a collective fails at once, saying so and naming it, and
-    may be reaped first. The rank it names, failed within ``window``, is the cause.
+    may be reaped first. The rank it names, failed within ``leaver_window``, is the
+    cause (its interpreter's exit can take seconds after it announced it).
     """
     if _died(first):
         return first
-    near = [w for w in sorted(workers, key=lambda w: w.failed_at or 0.0)
-            if w.state is WorkerState.FAILED and w.failed_at is not None
-            and abs(w.failed_at - first.failed_at) <= window]
-    for worker in near:
+
+    def within(seconds: float) -> List[Worker]:
+        return [w for w in sorted(workers, key=lambda w: w.failed_at or 0.0)
+                if w.state is WorkerState.FAILED and w.failed_at is not None
+                and abs(w.failed_at - first.failed_at) <= seconds]
+
+    for worker in within(window):
         if _died(worker):
             return worker
     named = _shut_down_by(first)
-    for worker in near:
+    for worker in within(leaver_window):
         if worker is not first and worker.rank in named and not _shut_down_by(worker):
             return worker
     return first
