@@ -204,6 +204,11 @@ class Cluster:
             except (ProcessLookupError, PermissionError):
                 pass
             proc.wait(timeout=10)
+        # Deleting a veth's outer end removes both ends at once; a namespace may
+        # outlive its name for a while (the kernel frees it once its last sockets
+        # are gone), and its cable must not linger with it.
+        for index in range(1, len(self.namespaces) + 1):
+            _run("ip", "link", "del", f"hvv{self.tag}{index}", check=False)
         for ns in self.namespaces:
             _run("ip", "netns", "del", ns, check=False)
         _run("ip", "link", "del", self.bridge, check=False)

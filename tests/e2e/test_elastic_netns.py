@@ -14,7 +14,12 @@ pytestmark = pytest.mark.netns
 
 def test_host_added_then_its_rank_sigkilled(netns_cluster, marker):
     """2 ranks on host A; host B (2 slots) is discovered: 4 ranks; a rank on B is
-    SIGKILLed: B is blacklisted and the 2 ranks on A finish every committed step."""
+    SIGKILLed: B is blacklisted and the 2 ranks on A finish every committed step.
+
+    The steps of generation 1 are slow enough (0.25 s) that B is discovered long
+    before step 16, the step w3 dies at; once B has joined, the pace no longer
+    matters and steps take the default time. Two epochs leave a few steps to
+    train at size 2 after the kill."""
     c = netns_cluster
     hosts = marker / "hosts.txt"
     hosts.write_text(f"{c.ips[0]}:2\n")
@@ -22,10 +27,11 @@ def test_host_added_then_its_rank_sigkilled(netns_cluster, marker):
     script.write_text(f"#!/bin/sh\ncat {hosts}\n")
     script.chmod(0o755)
     progress = marker / "progress"
-    batches = 10
+    epochs, batches = 2, 10
     proc = start(["-np", "2", "--min-np", "2", "--max-np", "4", "--host-discovery-script",
                   str(script), *c.ssh_options(), sys.executable, TRAIN, str(marker)],
-                 env=_env(ELASTIC_STEP_SECONDS="0.25", ELASTIC_EPOCHS="3", ELASTIC_BATCHES=str(batches),
+                 env=_env(ELASTIC_STEP_SECONDS="0.25", ELASTIC_SLOW_GENERATIONS="1",
+                          ELASTIC_EPOCHS=str(epochs), ELASTIC_BATCHES=str(batches),
                           ELASTIC_PROGRESS=str(progress), ELASTIC_FAULTS="w3:16:kill"))
     try:
         _wait_progress(progress, lambda steps, size: steps >= 2, proc)
@@ -36,7 +42,7 @@ def test_host_added_then_its_rank_sigkilled(netns_cluster, marker):
     assert code == 0, err
     done = _done(out)
     assert sorted(done) == ["w0", "w1"], out
-    assert {steps for _, _, steps, _ in done.values()} == {3 * batches}, out
+    assert {steps for _, _, steps, _ in done.values()} == {epochs * batches}, out
     assert len({params for _, _, _, params in done.values()}) == 1
     _assert_generations_agree(out)
     assert _trained_sizes(out, "w0") == [2, 4, 2], out + err[-6000:]
@@ -55,15 +61,25 @@ def test_host_added_then_its_rank_sigkilled(netns_cluster, marker):
 def test_partitioned_host_is_dropped_and_the_others_finish(netns_cluster, marker):
     """3 ranks, one on host B; B's link goes down mid-run. The survivors' collectives
     time out into HorovodInternalError, the launcher loses B's ssh connection,
-    blacklists B, and the two ranks on A finish every committed step."""
+    blacklists B, and the two ranks on A finish every committed step.
+
+    The launcher learns that B is gone from ssh's keep-alives: one is sent after
+    every 2 s of silence, and three unanswered ones (about 8 s of a dead link)
+    end the connection, instead of the 5 s x 3 the launcher asks for by default
+    (options given with --ssh-option come first and win). A reachable sshd
+    answers a keep-alive at once, far within those 6 s even on a loaded
+    machine, so a live host is not taken for a lost one. Only generation 1, which
+    the link is cut in, trains at the slow pace that leaves time for the cut."""
     import subprocess
 
     c = netns_cluster
     progress = marker / "progress"
-    batches = 10
+    epochs, batches = 3, 6
+    keepalive = ["--ssh-option", "ServerAliveInterval=2", "--ssh-option", "ServerAliveCountMax=3"]
     proc = start(["-np", "3", "--min-np", "2", "-H", f"{c.ips[0]}:2,{c.ips[1]}:1",
-                  *c.ssh_options(), sys.executable, TRAIN, str(marker)],
-                 env=_env(ELASTIC_STEP_SECONDS="0.2", ELASTIC_EPOCHS="3", ELASTIC_BATCHES=str(batches),
+                  *c.ssh_options(), *keepalive, sys.executable, TRAIN, str(marker)],
+                 env=_env(ELASTIC_STEP_SECONDS="0.2", ELASTIC_SLOW_GENERATIONS="1",
+                          ELASTIC_EPOCHS=str(epochs), ELASTIC_BATCHES=str(batches),
                           ELASTIC_PROGRESS=str(progress), HVDLIKE_GLOO_TIMEOUT_SECONDS="8"))
     link = f"hvv{c.tag}2"  # the second host's cable into the bridge
     try:
@@ -76,7 +92,7 @@ def test_partitioned_host_is_dropped_and_the_others_finish(netns_cluster, marker
     assert code == 0, err
     done = _done(out)
     assert sorted(done) == ["w0", "w1"], out
-    assert {steps for _, _, steps, _ in done.values()} == {3 * batches}, out
+    assert {steps for _, _, steps, _ in done.values()} == {epochs * batches}, out
     assert len({params for _, _, _, params in done.values()}) == 1
     _assert_generations_agree(out)
     assert _trained_sizes(out, "w0") == [3, 2], out + err[-4000:]

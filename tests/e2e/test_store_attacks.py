@@ -228,6 +228,7 @@ def test_store_hosted_by_rank0_under_mpirun_listens_on_loopback_only(marker):
         listening = [(pid, c.laddr.ip, c.laddr.port) for pid in pids
                      for c in psutil.Process(pid).net_connections(kind="tcp")
                      if c.status == psutil.CONN_LISTEN]
+        (marker / "stop").write_text("")  # the sockets are seen: the job may end now
         code, out, err = finish(proc, timeout=90)
     finally:
         kill_session(proc.pid)
