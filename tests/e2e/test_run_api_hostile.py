@@ -70,65 +70,28 @@ def _run_caller(path, cwd, env, timeout=180):
     return proc.returncode, out, err
 
 
-def _report(out, err):
-    lines = [line for line in out.splitlines() if line.startswith("REPORT ")]
-    assert len(lines) == 1, f"stdout:\n{out}\nstderr:\n{err}"
-    return json.loads(lines[0][len("REPORT "):])
+def _reports(out, err):
+    """``{scenario: report}`` from the caller's ``REPORT <scenario> <json>`` lines."""
+    reports = {}
+    for line in out.splitlines():
+        if line.startswith("REPORT "):
+            name, _, text = line[len("REPORT "):].partition(" ")
+            assert name not in reports, f"two reports for {name}\nstdout:\n{out}\nstderr:\n{err}"
+            reports[name] = json.loads(text)
+    return reports
 
 
-# Prints one REPORT line describing what hvdlike.run(<fn>, np=2) gave.
-CALLER = """
-    import json, os, sys
-    import hvdlike
-    from hvdlike.launcher.api import RankError
-
-    {body}
-
-    if __name__ == "__main__":
-        try:
-            report = {{"result": repr(hvdlike.run({fn}, np=2))}}
-        except RankError as exc:
-            report = {{"error": "RankError", "message": str(exc), "rank": exc.rank,
-                      "host": exc.host, "remote_traceback": exc.remote_traceback,
-                      "cause": None if exc.__cause__ is None else
-                               [type(exc.__cause__).__name__, str(exc.__cause__)]}}
-        except BaseException as exc:
-            report = {{"error": type(exc).__name__, "message": str(exc)}}
-        print("REPORT " + json.dumps(report), flush=True)
-"""
-
-
-def _call(tagged, body, fn):
-    folder, env = tagged
-    script = folder / "caller.py"
-    script.write_text(textwrap.dedent(CALLER).format(body=textwrap.dedent(body).strip(), fn=fn))
-    code, out, err = _run_caller(script, folder, env)
-    return code, _report(out, err), err
-
-
+# Hostile functions, defined at the top level of the calling script as a user's
+# would be; their names differ so that one caller runs them all in turn.
 EXCEPTION_WITHOUT_ITS_ARGS = """
     class NeedsTwo(Exception):
         def __init__(self, what, code):
             super().__init__(what)
             self.code = code
 
-    def fails_everywhere():
+    def fails_needing_two():
         raise NeedsTwo("boom on the rank", 2)
 """
-
-
-def test_an_exception_that_pickles_but_does_not_unpickle_comes_back_as_text(tagged):
-    code, report, err = _call(tagged, EXCEPTION_WITHOUT_ITS_ARGS, "fails_everywhere")
-    assert code == 0, err
-    assert report["error"] == "RankError", report
-    assert report["rank"] in (0, 1) and report["host"] == "localhost", report
-    assert report["message"].startswith(
-        f"rank {report['rank']} (host localhost) raised NeedsTwo: boom on the rank\n"), report
-    assert "in fails_everywhere" in report["remote_traceback"], report
-    assert "boom on the rank" in report["remote_traceback"], report
-    assert report["remote_traceback"].rstrip() in report["message"], report
-    assert report["cause"] is None, report  # not rebuilt: no half-made exception
-
 
 EXCEPTION_ONLY_THE_RANKS_REBUILD = """
     def rebuild(text):
@@ -140,20 +103,9 @@ EXCEPTION_ONLY_THE_RANKS_REBUILD = """
         def __reduce__(self):
             return rebuild, (self.args[0],)
 
-    def fails_everywhere():
+    def fails_picky():
         raise Picky("disk full on the rank")
 """
-
-
-def test_an_exception_the_caller_cannot_rebuild_still_names_the_rank_and_error(tagged):
-    code, report, err = _call(tagged, EXCEPTION_ONLY_THE_RANKS_REBUILD, "fails_everywhere")
-    assert code == 0, err
-    assert report["error"] == "RankError", report
-    assert report["message"].startswith(
-        f"rank {report['rank']} (host localhost) raised Picky: disk full on the rank\n"), report
-    assert "in fails_everywhere" in report["remote_traceback"], report
-    assert report["cause"] is None, report
-
 
 VALUE_THAT_DOES_NOT_UNPICKLE = """
     class Bad:
@@ -164,18 +116,6 @@ VALUE_THAT_DOES_NOT_UNPICKLE = """
         return Bad()
 """
 
-
-def test_a_return_value_that_does_not_unpickle_is_a_rank_error_saying_why(tagged):
-    code, report, err = _call(tagged, VALUE_THAT_DOES_NOT_UNPICKLE, "returns_bad")
-    assert code == 0, err
-    assert report["error"] == "RankError", report
-    assert report["rank"] == 0 and report["host"] == "localhost", report
-    assert report["message"] == (
-        "rank 0 (host localhost) returned a value that could not be unpickled on the "
-        "caller's side (ValueError: invalid literal for int() with base 10: 'x')"), report
-    assert report["cause"] == ["ValueError", "invalid literal for int() with base 10: 'x'"]
-
-
 VALUE_THAT_EXITS_WHEN_UNPICKLED = """
     class Quits:
         def __reduce__(self):
@@ -185,28 +125,202 @@ VALUE_THAT_EXITS_WHEN_UNPICKLED = """
         return Quits()
 """
 
+EXITS_WITH_THREE = """
+    def exits_three():
+        if os.environ["HVDLIKE_RANK"] == "1":
+            os._exit(3)
+        return "ok"
+"""
 
-def test_a_return_value_that_exits_when_unpickled_does_not_end_the_caller(tagged):
-    code, report, err = _call(tagged, VALUE_THAT_EXITS_WHEN_UNPICKLED, "returns_quits")
-    assert code == 0, err
+BAD_HOSTS = """
+    def touch():
+        open(os.path.join(FOLDER, "a-rank-ran"), "w").close()
+        return 1
+
+    BAD_HOST_CASES = {
+        "negative slots": [HostSlots("localhost", -5)],
+        "slots as text": [HostSlots("localhost", "2")],
+        "slots as bool": [HostSlots("localhost", True)],
+        "too many slots": [HostSlots("localhost", 10 ** 6)],
+        "host twice": [HostSlots("localhost", 1), HostSlots("localhost", 1)],
+        "host like an option": [HostSlots("-oProxyCommand=touch", 2)],
+        "user like an option": [HostSlots("-x@localhost", 2)],
+        "slots in the name": [HostSlots("localhost:2", 2)],
+        "host not a str": [HostSlots(None, 2)],
+        "newline in the name": [HostSlots("localhost\\n", 2)],
+    }
+"""
+
+# One caller runs every scenario in turn and prints one REPORT line for each:
+# ``REPORT <scenario> <json of what hvdlike.run gave>``. The value whose
+# unpickling would end the caller comes last: if it ever did, only its own
+# report would be missing.
+CALLER = """
+    import json, os, sys
+    import hvdlike
+    from hvdlike.launcher.api import RankError
+    from hvdlike.launcher.errors import LaunchError
+    from hvdlike.launcher.hosts import HostSlots
+
+    FOLDER = {folder!r}
+
+    {bodies}
+
+    def report(name, fn, **how):
+        try:
+            outcome = {{"result": repr(hvdlike.run(fn, **how))}}
+        except RankError as exc:
+            outcome = {{"error": "RankError", "message": str(exc), "rank": exc.rank,
+                       "host": exc.host, "remote_traceback": exc.remote_traceback,
+                       "cause": None if exc.__cause__ is None else
+                                [type(exc.__cause__).__name__, str(exc.__cause__)]}}
+        except LaunchError as exc:
+            outcome = {{"error": "LaunchError", "message": str(exc)}}
+        except BaseException as exc:
+            outcome = {{"error": type(exc).__name__, "message": str(exc)}}
+        print("REPORT " + name + " " + json.dumps(outcome), flush=True)
+
+    if __name__ == "__main__":
+        for case, hosts in BAD_HOST_CASES.items():
+            report("hosts:" + case.replace(" ", "_"), touch, np=2, hosts=hosts)
+        report("good_hosts", lambda: 3, hosts=[HostSlots("localhost", 2)])
+        report("exits_three", exits_three, np=2)
+        report("needs_two", fails_needing_two, np=1)
+        report("picky", fails_picky, np=1)
+        report("bad", returns_bad, np=1)
+        report("quits", returns_quits, np=1)
+"""
+
+# hvdlike.run calls in CALLER that start ranks: each gets the margin one call had.
+CALLER_JOBS = 6
+
+
+def _check_needs_two(report):
+    # An exception that pickles on the rank but does not unpickle comes back as text.
+    assert report["error"] == "RankError", report
+    assert report["rank"] in (0, 1) and report["host"] == "localhost", report
+    assert report["message"].startswith(
+        f"rank {report['rank']} (host localhost) raised NeedsTwo: boom on the rank\n"), report
+    assert "in fails_needing_two" in report["remote_traceback"], report
+    assert "boom on the rank" in report["remote_traceback"], report
+    assert report["remote_traceback"].rstrip() in report["message"], report
+    assert report["cause"] is None, report  # not rebuilt: no half-made exception
+
+
+def _check_picky(report):
+    # An exception the caller cannot rebuild still names the rank and the error.
+    assert report["error"] == "RankError", report
+    assert report["message"].startswith(
+        f"rank {report['rank']} (host localhost) raised Picky: disk full on the rank\n"), report
+    assert "in fails_picky" in report["remote_traceback"], report
+    assert report["cause"] is None, report
+
+
+def _check_bad(report):
+    # A return value that does not unpickle is a RankError saying why.
+    assert report["error"] == "RankError", report
+    assert report["rank"] == 0 and report["host"] == "localhost", report
+    assert report["message"] == (
+        "rank 0 (host localhost) returned a value that could not be unpickled on the "
+        "caller's side (ValueError: invalid literal for int() with base 10: 'x')"), report
+    assert report["cause"] == ["ValueError", "invalid literal for int() with base 10: 'x'"], report
+
+
+def _check_quits(report):
+    # A return value that exits when unpickled does not end the caller.
     assert report["error"] == "RankError", report
     assert report["message"].startswith(
         "rank 0 (host localhost) returned a value that could not be unpickled on the "
         "caller's side (SystemExit: 5)"), report
 
 
-MODULE = 'def train():\n    return "ok from {where}"\n'
+def _check_exits_three(report):
+    # 3 is also the status of a rank that refuses its payload; only the refusal's
+    # own record in the store makes the caller say so.
+    assert report["error"] == "RankError", report
+    assert report["message"] == "rank 1 (host localhost) exited with code 3 without a result", \
+        report
+
+
+def _check_good_hosts(report):
+    # A valid HostSlots list still runs, one rank per slot.
+    assert report == {"result": "[3, 3]"}, report
+
+
+BAD_HOST_ERRORS = {
+    "negative slots": "hosts[0].slots -5 is not valid: expected at least 1",
+    "slots as text": "hosts[0].slots must be an int, got '2' (str)",
+    "slots as bool": "hosts[0].slots must be an int",
+    "too many slots": "hosts[0]: slots 1000000 is more than the limit of 65536",
+    "host twice": "hosts names host 'localhost' twice",
+    "host like an option": "hosts[0]: host '-oProxyCommand=touch' is not valid",
+    "user like an option": "a host or user name cannot start with '-'",
+    "slots in the name": "host 'localhost:2' is not valid: a host name has no ':'",
+    "host not a str": "hosts[0]: host must be a str, got NoneType",
+    "newline in the name": "hosts[0]: host 'localhost\\n' is not valid",
+}
+
+
+def _check_bad_host(case, report):
+    # A HostSlots list gets the checks of the string form, before any rank starts.
+    assert report["error"] == "LaunchError", (case, report)
+    assert report["message"].startswith("hvdlike.run: "), (case, report)
+    assert BAD_HOST_ERRORS[case] in report["message"], (case, report)
+
+
+def test_hostile_results_exit_statuses_and_host_lists_in_one_caller(tagged):
+    """Each scenario is checked on its own; the failures of all of them are reported."""
+    folder, env = tagged
+    script = folder / "caller.py"
+    bodies = "\n\n".join(textwrap.dedent(body).strip() for body in (
+        EXCEPTION_WITHOUT_ITS_ARGS, EXCEPTION_ONLY_THE_RANKS_REBUILD,
+        VALUE_THAT_DOES_NOT_UNPICKLE, VALUE_THAT_EXITS_WHEN_UNPICKLED, EXITS_WITH_THREE,
+        BAD_HOSTS))
+    script.write_text(textwrap.dedent(CALLER).format(
+        folder=str(folder), bodies=bodies))
+    code, out, err = _run_caller(script, folder, env, timeout=180 * CALLER_JOBS)
+    reports = _reports(out, err)
+    checks = {"needs_two": _check_needs_two, "picky": _check_picky, "bad": _check_bad,
+              "quits": _check_quits, "exits_three": _check_exits_three,
+              "good_hosts": _check_good_hosts}
+    checks.update({"hosts:" + case.replace(" ", "_"):
+                   (lambda report, case=case: _check_bad_host(case, report))
+                   for case in BAD_HOST_ERRORS})
+    failures = []
+    if code != 0:
+        failures.append(f"caller: exited with {code}")
+    for name, check in checks.items():
+        if name not in reports:
+            failures.append(f"{name}: no report")
+            continue
+        try:
+            check(reports[name])
+        except AssertionError as exc:
+            failures.append(f"{name}: {exc}")
+    if (folder / "a-rank-ran").exists():
+        failures.append("hosts: a rank ran for a refused host list")
+    assert not failures, "\n".join(failures) + f"\nstdout:\n{out}\nstderr:\n{err}"
+
+
+MODULE = """
+import os
+
+
+def train():
+    return "ok from {where}"
+
+
+def train_and_path_of_rank():
+    return train(), os.environ["PYTHONPATH"].split(os.pathsep)
+"""
 MAIN = """
-    import os
     import hvdlike
     import mymod
 
-    def path_of_rank():
-        return os.environ["PYTHONPATH"].split(os.pathsep)
-
     if __name__ == "__main__":
-        print("RESULT", hvdlike.run(mymod.train, np=1), flush=True)
-        print("PATH", repr(hvdlike.run(path_of_rank, np=1)[0]), flush=True)
+        (result, path), = hvdlike.run(mymod.train_and_path_of_rank, np=1)
+        print("RESULT", [result], flush=True)
+        print("PATH", repr(path), flush=True)
 """
 
 
@@ -238,87 +352,6 @@ def test_a_module_beside_the_calling_script_is_found_with_or_without_pythonpath(
     assert entries[0] == os.path.realpath(proj), entries
     if pythonpath != "unset":
         assert os.path.realpath(other) in entries, entries
-
-
-BAD_HOSTS = """
-    import os
-    import hvdlike
-    from hvdlike.launcher.errors import LaunchError
-    from hvdlike.launcher.hosts import HostSlots
-
-    def touch():
-        open(os.path.join({folder!r}, "a-rank-ran"), "w").close()
-        return 1
-
-    CASES = {{
-        "negative slots": [HostSlots("localhost", -5)],
-        "slots as text": [HostSlots("localhost", "2")],
-        "slots as bool": [HostSlots("localhost", True)],
-        "too many slots": [HostSlots("localhost", 10 ** 6)],
-        "host twice": [HostSlots("localhost", 1), HostSlots("localhost", 1)],
-        "host like an option": [HostSlots("-oProxyCommand=touch", 2)],
-        "user like an option": [HostSlots("-x@localhost", 2)],
-        "slots in the name": [HostSlots("localhost:2", 2)],
-        "host not a str": [HostSlots(None, 2)],
-        "newline in the name": [HostSlots("localhost\\n", 2)],
-    }}
-
-    if __name__ == "__main__":
-        for name, hosts in CASES.items():
-            try:
-                hvdlike.run(touch, np=2, hosts=hosts)
-                print("CASE", name, "| ran", flush=True)
-            except LaunchError as exc:
-                print("CASE", name, "| LaunchError", str(exc).replace("\\n", " "), flush=True)
-            except BaseException as exc:
-                print("CASE", name, "|", type(exc).__name__, str(exc).replace("\\n", " "),
-                      flush=True)
-"""
-
-
-def test_host_slots_lists_get_the_checks_of_the_string_form(tagged):
-    folder, env = tagged
-    script = folder / "hosts.py"
-    script.write_text(textwrap.dedent(BAD_HOSTS.format(folder=str(folder))))
-    code, out, err = _run_caller(script, folder, env)
-    assert code == 0, f"stdout:\n{out}\nstderr:\n{err}"
-    cases = dict(line[len("CASE "):].split(" | ", 1) for line in out.splitlines()
-                 if line.startswith("CASE "))
-    assert len(cases) == 10, out
-    expected = {
-        "negative slots": "hosts[0].slots -5 is not valid: expected at least 1",
-        "slots as text": "hosts[0].slots must be an int, got '2' (str)",
-        "slots as bool": "hosts[0].slots must be an int",
-        "too many slots": "hosts[0]: slots 1000000 is more than the limit of 65536",
-        "host twice": "hosts names host 'localhost' twice",
-        "host like an option": "hosts[0]: host '-oProxyCommand=touch' is not valid",
-        "user like an option": "a host or user name cannot start with '-'",
-        "slots in the name": "host 'localhost:2' is not valid: a host name has no ':'",
-        "host not a str": "hosts[0]: host must be a str, got NoneType",
-        "newline in the name": "hosts[0]: host 'localhost\\n' is not valid",
-    }
-    for name, text in expected.items():
-        assert cases[name].startswith("LaunchError hvdlike.run: "), (name, cases[name])
-        assert text in cases[name], (name, cases[name])
-    assert not (folder / "a-rank-ran").exists()
-
-
-GOOD_HOSTS = """
-    import hvdlike
-    from hvdlike.launcher.hosts import HostSlots
-
-    if __name__ == "__main__":
-        print("RESULT", hvdlike.run(lambda: 3, hosts=[HostSlots("localhost", 2)]), flush=True)
-"""
-
-
-def test_a_valid_host_slots_list_still_runs(tagged):
-    folder, env = tagged
-    script = folder / "good.py"
-    script.write_text(textwrap.dedent(GOOD_HOSTS))
-    code, out, err = _run_caller(script, folder, env)
-    assert code == 0, f"stdout:\n{out}\nstderr:\n{err}"
-    assert "RESULT [3, 3]" in out.splitlines(), out
 
 
 SIGNALLED = """
@@ -385,19 +418,3 @@ def test_sigterm_reaches_the_callers_handler_after_the_ranks_stop(tagged, own_ha
     assert "received SIGTERM; stopping 2 rank(s)" in err
 
 
-EXITS_WITH_THREE = """
-    def exits_three():
-        if os.environ["HVDLIKE_RANK"] == "1":
-            os._exit(3)
-        return "ok"
-"""
-
-
-def test_a_function_exiting_with_status_three_is_not_taken_for_a_refused_payload(tagged):
-    # 3 is also the status of a rank that refuses its payload; only the refusal's
-    # own record in the store makes the caller say so.
-    code, report, err = _call(tagged, EXITS_WITH_THREE, "exits_three")
-    assert code == 0, err
-    assert report["error"] == "RankError", report
-    assert report["message"] == "rank 1 (host localhost) exited with code 3 without a result", \
-        report
