@@ -45,7 +45,7 @@ def _few_left_and_a_late_model():
 
 
 def test_one_sample_left_for_three_ranks_and_a_model_given_late():
-    results = run_ranks(_few_left_and_a_late_model, np=3, timeout=180, fresh=True)
+    results = run_ranks(_few_left_and_a_late_model, np=3, timeout=180)
     # the union of what the ranks know; the one sample left is dealt to every rank
     assert {len(out["dealt"]) for out in results} == {1}
     assert len({out["dealt"][0] for out in results}) == 1
@@ -80,7 +80,7 @@ def _datasets_of_different_lengths():
 
 
 def test_ranks_whose_datasets_differ_in_length_are_told_so():
-    results = run_ranks(_datasets_of_different_lengths, np=2, timeout=120, fresh=True)
+    results = run_ranks(_datasets_of_different_lengths, np=2, timeout=120)
     for outcome in results:
         assert "disagree on len(dataset): rank 0: 10, rank 1: 11" in str(outcome), results
 

@@ -111,7 +111,7 @@ def test_twenty_reforms_keep_topology_state_settings_and_resources(tmp_path):
     env = {"HVDLIKE_ELASTIC_GENERATION": "1", "HVDLIKE_ELASTIC_TIMEOUT": "60", "HVDLIKE_SHM": "0"}
     timeline = str(tmp_path / "timeline.{rank}.json")
     results = run_ranks(_reform_many, np=2, args=(REFORMS, FAILED, timeline, SECRETS), timeout=240,
-                        env=env, per_rank_env=_worker_env, fresh=True)
+                        env=env, per_rank_env=_worker_env)
     steps, step = [], 0  # the committed step each generation starts from
     for g in range(1, REFORMS + 2):
         steps.append(step)
@@ -178,7 +178,7 @@ def _torch_state_sync():
 
 
 def test_torch_state_sync_broadcasts_rank0_and_unions_processed_indices():
-    first, second = run_ranks(_torch_state_sync, np=2, timeout=120, fresh=True)
+    first, second = run_ranks(_torch_state_sync, np=2, timeout=120)
     assert first[0] == second[0] and first[1] == second[1]  # parameters and momentum
     assert first[2] == second[2] == (10, [0, 1, 8, 9], 6)  # rank 0's epoch, the union
     assert first[3] and second[3] and first[4] == second[4] == 10
@@ -208,5 +208,5 @@ def _numpy_object_state():
 
 
 def test_numpy_front_end_shares_the_elastic_core():
-    results = run_ranks(_numpy_object_state, np=2, timeout=120, fresh=True)
+    results = run_ranks(_numpy_object_state, np=2, timeout=120)
     assert results == [(([0.0, 0.0, 0.0], 0), 1)] * 2  # rank 0's state, then one step

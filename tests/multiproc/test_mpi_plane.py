@@ -54,7 +54,9 @@ def _collectives():
     from hvdlike.core import api
 
     state = api.runtime().process_sets[0]
-    type(state.groups.cpu_plane).alone_bytes = 400
+    plane_type = type(state.groups.cpu_plane)
+    default_alone_bytes = plane_type.alone_bytes
+    plane_type.alone_bytes = 400
     pool, staged = state.executor.pool, []
     take = pool.take
     pool.take = lambda numel, *args: staged.append(numel) or take(numel, *args)
@@ -79,15 +81,9 @@ def _collectives():
     checks["object"] = hvd.allgather_object({"rank": r}) == [{"rank": 0}, {"rank": 1}]
     hvd.barrier()
     hvd.shutdown()
+    plane_type.alone_bytes = default_alone_bytes
     out["failed"] = sorted(k for k, ok in checks.items() if not ok)
     return out
-
-
-def test_collectives_run_on_mpi_when_started_by_mpirun():
-    results = run_mpirun(_collectives, np=2, timeout=120)
-    for rank, result in enumerate(results):
-        assert result["engines"] == (("mpi", "mpi"), "MpiControlPlane", "MpiDataGroup"), rank
-        assert result["failed"] == [], (rank, result["failed"])
 
 
 def _training():
@@ -131,12 +127,6 @@ def _training():
     return engines, gap
 
 
-def test_training_on_mpi_matches_one_process_on_the_whole_batch():
-    for engines, gap in run_mpirun(_training, np=2, timeout=120):
-        assert engines == ("mpi", "mpi")
-        assert gap < 1e-5
-
-
 def _mixed(cases):
     import os
 
@@ -173,16 +163,6 @@ KNOB_CASES = [
 ]
 
 
-def test_engine_knobs_choose_each_plane():
-    cases = [env for env, _ in KNOB_CASES]
-    for rank_results in run_mpirun(_mixed, np=2, args=(cases,), timeout=150):
-        assert len(rank_results) == len(KNOB_CASES)
-        for (env, expected), (engines, control, cpu, total, fused) in zip(KNOB_CASES,
-                                                                          rank_results):
-            assert (engines, control, cpu) == expected, env
-            assert total == 3.0 and fused, env
-
-
 def _process_sets():
     import torch
 
@@ -201,13 +181,6 @@ def _process_sets():
     hvd.barrier()
     hvd.shutdown()
     return result, everyone
-
-
-def test_process_sets_get_their_own_communicators():
-    results = run_mpirun(_process_sets, np=3, timeout=150)
-    assert results[0] == ((2.0, 2), 3.0)
-    assert results[1] == (None, 3.0)
-    assert results[2] == ((2.0, 2), 3.0)
 
 
 def _one_rank_raises():
@@ -318,13 +291,53 @@ def _timeline(path):
                    if e.get("ph") == "X" and e["name"].endswith("_ALLREDUCE")})
 
 
-def test_timeline_names_the_engine_that_moved_each_tensor(tmp_path):
+def _timeline_traced(path):
+    """``_timeline`` with ``HVDLIKE_TIMELINE=path`` set for its init() only."""
+    import os
+
+    os.environ["HVDLIKE_TIMELINE"] = path
+    try:
+        return _timeline(path)
+    finally:
+        del os.environ["HVDLIKE_TIMELINE"]
+
+
+def _two_rank_jobs(path, cases):
+    """Each two-rank scenario in turn, each with its own init()/shutdown(), in one mpirun job."""
+    return {"collectives": _collectives(), "training": _training(),
+            "timeline": _timeline_traced(path), "knobs": _mixed(cases)}
+
+
+def test_collectives_training_timeline_and_engine_knobs_on_mpi(tmp_path):
+    # Four scenarios, one mpirun job: each runs its own init()/shutdown() cycle in
+    # the same ranks, so the job also shows that nothing one leaves behind breaks the next.
     path = str(tmp_path / "trace.json")
-    results = run_mpirun(_timeline, np=2, args=(path,), env={"HVDLIKE_TIMELINE": path},
-                         timeout=120)
-    # float32 rides MPI; float16, which MPI cannot reduce, stays on Gloo.
-    assert ("allreduce.traced.cpu", "MPI_ALLREDUCE") in results[0]
-    assert ("allreduce.traced.half", "GLOO_ALLREDUCE") in results[0]
+    cases = [env for env, _ in KNOB_CASES]
+    results = run_mpirun(_two_rank_jobs, np=2, args=(path, cases), timeout=510)
+
+    # Collectives run on MPI when started by mpirun.
+    for rank, result in enumerate(r["collectives"] for r in results):
+        assert result["engines"] == (("mpi", "mpi"), "MpiControlPlane", "MpiDataGroup"), rank
+        assert result["failed"] == [], (rank, result["failed"])
+
+    # Training on MPI matches one process on the whole batch.
+    for engines, gap in (r["training"] for r in results):
+        assert engines == ("mpi", "mpi")
+        assert gap < 1e-5
+
+    # The timeline names the engine that moved each tensor: float32 rides MPI;
+    # float16, which MPI cannot reduce, stays on Gloo.
+    traced = results[0]["timeline"]
+    assert ("allreduce.traced.cpu", "MPI_ALLREDUCE") in traced
+    assert ("allreduce.traced.half", "GLOO_ALLREDUCE") in traced
+
+    # Engine knobs choose each plane.
+    for rank_results in (r["knobs"] for r in results):
+        assert len(rank_results) == len(KNOB_CASES)
+        for (env, expected), (engines, control, cpu, total, fused) in zip(KNOB_CASES,
+                                                                          rank_results):
+            assert (engines, control, cpu) == expected, env
+            assert total == 3.0 and fused, env
 
 
 def _dynamic_sets_and_reinit():
@@ -349,8 +362,20 @@ def _dynamic_sets_and_reinit():
     return out
 
 
-def test_dynamic_sets_and_repeated_init_on_mpi():
-    results = run_mpirun(_dynamic_sets_and_reinit, np=3, timeout=180)
+def _three_rank_jobs():
+    """Static process sets, then dynamic ones over repeated init(), in one mpirun job."""
+    return _process_sets(), _dynamic_sets_and_reinit()
+
+
+def test_static_and_dynamic_process_sets_and_repeated_init_on_mpi():
+    both = run_mpirun(_three_rank_jobs, np=3, timeout=330)
+    # Static process sets get their own communicators.
+    results = [static for static, _ in both]
+    assert results[0] == ((2.0, 2), 3.0)
+    assert results[1] == (None, 3.0)
+    assert results[2] == ((2.0, 2), 3.0)
+    # Dynamic sets, built and freed over three init/shutdown cycles.
+    results = [dynamic for _, dynamic in both]
     for rank, rounds in enumerate(results):
         for round_, (value, total) in enumerate(rounds):
             assert total == 3.0
